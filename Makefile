@@ -1,0 +1,64 @@
+# fastload: `make demo` and `make test` work from a fresh clone with only python3 (>= 3.10) and make.
+PYTHON ?= python3
+VENV := .venv
+XLA_VENV := .venv-xla
+PY := $(VENV)/bin/python
+XLA_PY := $(XLA_VENV)/bin/python
+PIP := -m pip install -q --disable-pip-version-check
+# The CPU torch wheel lies in /opt/wheels on these machines; elsewhere pip takes it from the index.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+CONSTRAINTS := requirements/constraints.txt
+URL ?=
+
+.PHONY: help env xla-env test test-main test-xla demo lint bench bench-quick docs clean
+
+help:
+	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
+	@echo "make test   - install everything the tests need and run the whole suite (main + XLA env)"
+	@echo "make lint   - ruff + mypy --strict"
+	@echo "make bench  - benchmarks (writes benchmarks/results and docs/benchmarks.md)"
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
+		|| { echo "fastload needs Python >= 3.10 as '$(PYTHON)' (set PYTHON=...)"; exit 2; }
+	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
+		|| { echo "'$(PYTHON)' lacks venv/ensurepip: install python3-venv"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) torch
+	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -e ".[dev]"
+	@touch $@
+
+env: $(VENV)/.installed
+
+$(XLA_VENV)/.installed: pyproject.toml requirements/xla.txt
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_PY) $(PIP) -c requirements/xla.txt torch torch_xla numpy fsspec pytest pytest-timeout hypothesis
+	$(XLA_PY) $(PIP) -c requirements/xla.txt -e .
+	@touch $@
+
+xla-env: $(XLA_VENV)/.installed
+
+test: test-main test-xla
+
+test-main: env
+	$(PY) -m pytest -m "not slow and not xla" $(PYTEST_ARGS)
+
+test-xla: xla-env
+	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -m xla -p no:cacheprovider tests/xla $(PYTEST_ARGS)
+
+demo: env
+	$(PY) -m fastload.demo $(if $(URL),--url $(URL),)
+
+lint: env
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: env
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+bench-quick: env
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) $(XLA_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""fastload's exception tree.
+
+Every error fastload raises is a :class:`FastloadError`. Each class also subclasses the builtin
+that code written against plain Python would catch (``FileNotFoundError``, ``PermissionError``,
+``ValueError``, ...), so ``except FileNotFoundError`` keeps working around fastload.
+
+Low-level errors (botocore, gcsfs, b2sdk, aiohttp) are translated into this tree at one
+boundary (``fastload.stores``) with ``raise ... from exc``, so the original stays attached.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessDeniedError",
+    "ConfigError",
+    "FastloadError",
+    "MissingExtraError",
+    "ObjectNotFoundError",
+    "ServerStartError",
+    "StoreError",
+    "TransientStoreError",
+]
+
+
+class FastloadError(Exception):
+    """Base class of every error raised by fastload."""
+
+
+class ConfigError(FastloadError, ValueError):
+    """An option or argument has a bad value; the message names the field."""
+
+
+class MissingExtraError(FastloadError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+    def __init__(self, module: str, extra: str, feature: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"{feature} needs the optional package {module!r}; "
+            f"install it with: pip install 'fastload[{extra}]'"
+        )
+
+
+class StoreError(FastloadError, OSError):
+    """An object-store operation failed. ``url`` names the object or bucket (never a secret)."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        self.url = url
+        super().__init__(f"{message}: {url}" if url else message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # OSError pickles through its args; keep our keyword so errors cross worker processes.
+        return (_rebuild_store_error, (type(self), self.args[0], self.url))
+
+
+def _rebuild_store_error(cls: type[StoreError], text: str, url: str | None) -> StoreError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, text)
+    error.url = url
+    return error
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """The object, prefix or bucket does not exist."""
+
+
+class AccessDeniedError(StoreError, PermissionError):
+    """The credentials are missing, wrong, or lack the permission."""
+
+
+class TransientStoreError(StoreError, ConnectionError):
+    """Throttling, a 5xx, a reset or a truncated body that outlasted the retries."""
+
+
+class ServerStartError(FastloadError, RuntimeError):
+    """A loopback test server did not come up; the message carries the tail of its log."""
