@@ -41,17 +41,17 @@ xla-env: $(XLA_VENV)/.installed
 test: test-main test-xla
 
 test-main: env
-	$(PY) -m pytest -m "not slow and not xla" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not xla" --ignore=tests/xla $(PYTEST_ARGS)
 
 test-xla: xla-env
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -m xla -p no:cacheprovider tests/xla $(PYTEST_ARGS)
 
 demo: env
-	$(PY) -m fastload.demo $(if $(URL),--url $(URL),)
+	$(PY) examples/demo.py $(if $(URL),--url $(URL),)
 
 lint: env
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: env

@@ -44,11 +44,17 @@ def fs_and_root(request: pytest.FixtureRequest) -> tuple[Any, str]:
 
 def test_fsspec_write_list_read_range_delete(fs_and_root: tuple[Any, str]) -> None:
     fs, root = fs_and_root
-    payloads = {f"{root}/part-{i}/sample-{j}.bin": os.urandom(1000 + i * 7 + j) for i in range(3) for j in range(4)}
+    payloads = {
+        f"{root}/part-{i}/sample-{j}.bin": os.urandom(1000 + i * 7 + j)
+        for i in range(3)
+        for j in range(4)
+    }
     fs.pipe(payloads)
     found = sorted(fs.find(root))
     assert found == sorted(payloads)
-    assert sorted(fs.ls(f"{root}/part-1", detail=False)) == sorted(k for k in payloads if "/part-1/" in k)
+    assert sorted(fs.ls(f"{root}/part-1", detail=False)) == sorted(
+        k for k in payloads if "/part-1/" in k
+    )
     key, data = next(iter(payloads.items()))
     assert fs.cat_file(key) == data
     assert fs.cat_file(key, start=10, end=50) == data[10:50]
@@ -86,7 +92,9 @@ def test_s3_missing_bucket_is_not_found(seaweed: S3Server) -> None:
 def test_b2_upload_list_download_range_delete(b2: B2Server) -> None:
     bucket = b2.api().get_bucket_by_name(BUCKET)
     prefix = uuid.uuid4().hex
-    small = {f"{prefix}/d{i}/s{j}.bin": os.urandom(500 + 13 * i + j) for i in range(2) for j in range(3)}
+    small = {
+        f"{prefix}/d{i}/s{j}.bin": os.urandom(500 + 13 * i + j) for i in range(2) for j in range(3)
+    }
     for name, data in small.items():
         bucket.upload_bytes(data, name)
     big = os.urandom(12 * 1024 * 1024 + 5)  # > the advertised 5 MB part size: a large file

@@ -19,7 +19,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from b2sdk._internal.exception import (
@@ -112,9 +112,9 @@ class B2App:
         except web.HTTPException:
             raise
         except Exception as exc:
-            for kind, status, code in _ERRORS:
+            for kind, status, default_code in _ERRORS:
                 if isinstance(exc, kind):
-                    code = getattr(exc, "code", None) or code
+                    code = getattr(exc, "code", None) or default_code
                     if status == 401 and code not in ("bad_auth_token", "expired_auth_token"):
                         code = "unauthorized"
                     return error_response(status, code, str(exc) or type(exc).__name__)
@@ -222,9 +222,7 @@ class B2App:
         )
 
     def _finish_large_file(self, token: str, p: dict[str, Any]) -> Any:
-        return self.sim.finish_large_file(
-            self.sim.API_URL, token, p["fileId"], p["partSha1Array"]
-        )
+        return self.sim.finish_large_file(self.sim.API_URL, token, p["fileId"], p["partSha1Array"])
 
     def _cancel_large_file(self, token: str, p: dict[str, Any]) -> Any:
         return self.sim.cancel_large_file(self.sim.API_URL, token, p["fileId"])
@@ -250,7 +248,7 @@ class B2App:
     def _hide_file(self, token: str, p: dict[str, Any]) -> Any:
         return self.sim.hide_file(self.sim.API_URL, token, p["bucketId"], p["fileName"])
 
-    _OPS: dict[str, Callable[[B2App, str, dict[str, Any]], Any]] = {
+    _OPS: ClassVar[dict[str, Callable[[B2App, str, dict[str, Any]], Any]]] = {
         "b2_list_buckets": _list_buckets,
         "b2_create_bucket": _create_bucket,
         "b2_delete_bucket": _delete_bucket,
@@ -316,9 +314,13 @@ class B2App:
         if header:
             start, end = self._parse_range(header, len(data))
             if start >= len(data) or start > end:
-                return error_response(416, "range_not_satisfiable", f"range {header} of {len(data)}")
+                return error_response(
+                    416, "range_not_satisfiable", f"range {header} of {len(data)}"
+                )
             data = data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{start + len(data) - 1}/{len(response.data_bytes)}"
+            headers["Content-Range"] = (
+                f"bytes {start}-{start + len(data) - 1}/{len(response.data_bytes)}"
+            )
             status = 206
         if request.method == "HEAD":
             headers["Content-Length"] = str(len(data))
@@ -348,4 +350,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-

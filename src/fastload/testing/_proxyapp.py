@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from fastload.testing.proxy import CONTROL_PATH, Faults
+from fastload.testing.proxy import CONTROL_PATH, COUNTER_KEYS, Faults
 
 _HOP_BY_HOP = frozenset(
     {
@@ -97,7 +97,7 @@ class ProxyApp:
 
     # -- control -----------------------------------------------------------------------------
     async def get_counters(self, _request: web.Request) -> web.Response:
-        return web.json_response(dict(self.counters))
+        return web.json_response({key: self.counters[key] for key in COUNTER_KEYS})
 
     async def reset_counters(self, _request: web.Request) -> web.Response:
         self.counters.clear()
@@ -154,7 +154,9 @@ class ProxyApp:
         # The connection is gone; aiohttp discards whatever is returned.
         return web.Response(status=499)
 
-    async def _relay(self, request: web.Request, body: bytes, *, truncate: bool) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, body: bytes, *, truncate: bool
+    ) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         async with self._session.request(
@@ -200,8 +202,8 @@ class ProxyApp:
             return
         for offset in range(0, len(payload), _CHUNK):
             chunk = payload[offset : offset + _CHUNK]
+            await asyncio.sleep(len(chunk) / rate)  # pace first: the last byte lands on time
             await response.write(chunk)
-            await asyncio.sleep(len(chunk) / rate)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from fastload.testing._process import (
 Flavor = Literal["s3", "gcs", "b2"]
 CONTROL_PATH = "/__fastload_proxy__"
 _RATES = ("error_503", "error_500", "reset", "truncate", "stall")
+COUNTER_KEYS = ("requests", "forwarded", "bytes_out", *_RATES)
 
 
 @dataclass(frozen=True)
