@@ -1,1 +1,4 @@
-"""fastload benchmarks: `make bench` (full) and `make bench-quick`; results in benchmarks/results/."""
+"""fastload benchmarks: `make bench` (full) and `make bench-quick`.
+
+Results go to benchmarks/results/.
+"""

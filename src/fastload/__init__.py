@@ -11,6 +11,7 @@ from fastload.errors import (
     StoreError,
     TransientStoreError,
 )
+from fastload.sampler import PermutationSampler, WeightedSampler
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,9 @@ __all__ = [
     "FastloadError",
     "MissingExtraError",
     "ObjectNotFoundError",
+    "PermutationSampler",
     "StoreError",
     "TransientStoreError",
+    "WeightedSampler",
     "__version__",
 ]

@@ -1,0 +1,414 @@
+"""O(1)-memory shuffling with even sharding and O(1) mid-epoch resume.
+
+The epoch order is a seeded bijection of ``range(n)`` computed per position (a keyed Feistel
+network over the next power-of-four domain, cycle-walked back into ``range(n)``), so no
+permutation is ever materialised and any position can be computed directly.
+
+Sharding is by *global position*: the epoch is the sequence ``order(0), order(1), ...``, padded
+to a multiple of ``world_size``; rank ``r`` takes positions ``start + r, start + r + W, ...``.
+A checkpoint stores how many global positions were consumed, so resuming on a different world
+size continues with exactly the samples not yet seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from fastload.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Indices = npt.NDArray[np.int64]
+_U64 = np.uint64
+_MASK64 = (1 << 64) - 1
+_ROUNDS = 4  # Luby-Rackoff: four rounds of a good round function give a strong PRP
+_CHUNK = 1 << 16  # positions per vectorised step: cache-sized
+_FIRST_CHUNK = 256  # the first index must come fast (and so must a resume)
+_STATE_VERSION = 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _mix(values: npt.NDArray[np.uint64], key: int) -> npt.NDArray[np.uint64]:
+    """A 64-bit avalanche hash of ``values`` keyed by ``key`` (vectorised, wraps mod 2**64)."""
+    x = values ^ _U64(key)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    result: npt.NDArray[np.uint64] = x ^ (x >> _U64(31))
+    return result
+
+
+class KeyedPermutation:
+    """A seeded bijection of ``range(n)``: O(1) memory, any position computable directly."""
+
+    def __init__(self, n: int, key: int) -> None:
+        if n < 0:
+            raise ConfigError(f"KeyedPermutation: n must be >= 0, got {n}")
+        self.n = n
+        bits = max(2, (max(n - 1, 1)).bit_length())
+        self._half = (bits + 1) // 2
+        self._half_mask = _U64((1 << self._half) - 1)
+        state = key & _MASK64
+        keys = []
+        for _ in range(_ROUNDS):
+            state = _splitmix64(state)
+            keys.append(state)
+        self._keys = tuple(keys)
+
+    def _feistel(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        shift = _U64(self._half)
+        top = _U64(64 - self._half)
+        left, right = x >> shift, x & self._half_mask
+        for key in self._keys:
+            # round function: multiply-xorshift-multiply, keep the top ``half`` bits
+            f = (right ^ _U64(key)) * _U64(0x9E3779B97F4A7C15)
+            f ^= f >> _U64(29)
+            f *= _U64(0xBF58476D1CE4E5B9)
+            f >>= top
+            f ^= left
+            left, right = right, f
+        result: npt.NDArray[np.uint64] = (left << shift) | right
+        return result
+
+    def __call__(self, positions: npt.ArrayLike) -> Indices:
+        """The permuted values of ``positions`` (each in ``range(n)``)."""
+        x = np.asarray(positions, dtype=np.uint64).reshape(-1)
+        if self.n <= 1:
+            return x.astype(np.int64)
+        out = np.empty(x.size, dtype=np.int64)
+        for begin in range(0, x.size, _CHUNK):
+            out[begin : begin + _CHUNK] = self._walk(x[begin : begin + _CHUNK])
+        return out
+
+    def _walk(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        y = self._feistel(x)
+        limit = _U64(self.n)
+        outside = np.flatnonzero(y >= limit)
+        while outside.size:  # cycle-walking: the walk stays on x's cycle, which meets range(n)
+            y[outside] = self._feistel(y[outside])
+            outside = outside[y[outside] >= limit]
+        return y
+
+
+def _chunks(length: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` steps over ``range(length)``: a small first one, then cache-sized."""
+    start, size = 0, _FIRST_CHUNK
+    while start < length:
+        yield start, min(start + size, length)
+        start, size = start + size, _CHUNK
+
+
+def _default_rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "torch_xla" in sys.modules:
+        try:
+            import torch_xla.runtime as xr  # noqa: PLC0415  (optional, only when in use)
+
+            return int(xr.global_ordinal()), int(xr.world_size())
+        except (ImportError, RuntimeError):
+            pass
+    return 0, 1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one epoch (from ``start``) is laid out over the ranks."""
+
+    start: int
+    per_rank: int
+    real: int  # this rank's samples that are not padding (always first)
+
+
+class PermutationSampler(Sampler[int]):
+    """Shuffled (or sequential) indices of ``range(n)`` for this rank, in O(1) memory.
+
+    Args:
+        n: dataset length.
+        shuffle: shuffle per epoch (``False``: ``0, 1, 2, ...`` sharded the same way).
+        seed: same seed and epoch give the same order on every machine.
+        rank, world_size: default from ``torch.distributed`` when initialised, else from
+            torch_xla's runtime when in use, else ``(0, 1)``.
+        drop_last: drop the tail that does not divide evenly (never down to zero samples: with
+            fewer samples than ranks, the epoch is padded instead). Otherwise the epoch is padded
+            by wrapping; padding always comes last on each rank, see :attr:`num_real_samples`.
+        block_size: locality-aware mode for chunked storage. Blocks of ``block_size``
+            consecutive indices are visited in a shuffled order, and indices are shuffled
+            within windows of ``window`` consecutive blocks, so a batch touches few chunks.
+        window: blocks per shuffling window in block mode.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        block_size: int | None = None,
+        window: int = 4,
+    ) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"PermutationSampler: n must be an int >= 0, got {n!r}")
+        default_rank, default_world = _default_rank_world()
+        world_size = default_world if world_size is None else world_size
+        rank = default_rank if rank is None else rank
+        if world_size < 1:
+            raise ConfigError(f"PermutationSampler: world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(
+                f"PermutationSampler: rank must be in [0, world_size={world_size}), got {rank}"
+            )
+        if block_size is not None and block_size < 1:
+            raise ConfigError(f"PermutationSampler: block_size must be >= 1, got {block_size}")
+        if window < 1:
+            raise ConfigError(f"PermutationSampler: window must be >= 1, got {window}")
+        self.n, self.shuffle, self.seed = n, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.block_size, self.window = block_size, window
+        self.epoch = 0
+        self._start = 0
+        self._yielded = 0
+        self._plan = self._make_plan(0)
+
+    # -- epochs and layout -------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch``. Setting the current epoch again keeps a resume point."""
+        if epoch != self.epoch:
+            self.epoch, self._start = epoch, 0
+            self._plan = self._make_plan(0)
+
+    def _make_plan(self, start: int) -> _Plan:
+        remaining = max(self.n - start, 0)
+        w = self.world_size
+        if self.drop_last and remaining >= w:
+            per_rank = remaining // w
+        else:
+            if self.drop_last and 0 < remaining < w:
+                logger.warning(
+                    "PermutationSampler: %d samples for %d ranks; padding instead of dropping "
+                    "so that no rank gets zero",
+                    remaining,
+                    w,
+                )
+            per_rank = -(-remaining // w)
+        real = max(0, min(per_rank, -(-(remaining - self.rank) // w)))
+        return _Plan(start, per_rank, real)
+
+    def __len__(self) -> int:
+        return self._plan.per_rank
+
+    @property
+    def num_real_samples(self) -> int:
+        """How many of this rank's samples this epoch are unique; the rest (at the end) are
+        padding that repeats samples, to be skipped when evaluating each sample once."""
+        return self._plan.real
+
+    # -- the order ---------------------------------------------------------------------------
+    def _epoch_key(self) -> int:
+        return _splitmix64((self.seed & _MASK64) ^ _splitmix64(self.epoch + 1))
+
+    def order(self, positions: npt.ArrayLike) -> Indices:
+        """The index at each global epoch position (positions >= n wrap around)."""
+        p = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if self.n == 0:
+            return p[:0]
+        p = p % self.n
+        if not self.shuffle:
+            return p
+        if self.block_size is None:
+            return KeyedPermutation(self.n, self._epoch_key())(p)
+        return self._block_order(p)
+
+    def _block_order(self, p: Indices) -> Indices:
+        size, key = int(self.block_size or 1), self._epoch_key()
+        full_blocks = self.n // size
+        body = full_blocks * size
+        out = np.empty_like(p)
+        tail = p >= body  # the partial last block comes last, shuffled within itself
+        if tail.any():
+            out[tail] = body + KeyedPermutation(self.n - body, key ^ 0x7A11)(p[tail] - body)
+        head = ~tail
+        if head.any():
+            block_perm = KeyedPermutation(full_blocks, key)
+            span = self.window * size
+            q = p[head]
+            window_id, offset = q // span, q % span
+            out[head] = self._within_windows(window_id, offset, block_perm, full_blocks, key)
+        return out
+
+    def _within_windows(
+        self,
+        window_id: Indices,
+        offset: Indices,
+        block_perm: KeyedPermutation,
+        full_blocks: int,
+        key: int,
+    ) -> Indices:
+        size = int(self.block_size or 1)
+        out = np.empty_like(offset)
+        for w in np.unique(window_id):
+            mask = window_id == w
+            first_slot = int(w) * self.window
+            blocks = min(self.window, full_blocks - first_slot)
+            inner = KeyedPermutation(blocks * size, _splitmix64(key ^ (int(w) + 1)))(offset[mask])
+            slot = first_slot + inner // size
+            out[mask] = block_perm(slot) * size + inner % size
+        return out
+
+    def indices(self, start: int = 0, stop: int | None = None) -> Indices:
+        """This rank's indices for local positions ``[start, stop)`` as one numpy array."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        local = np.arange(start, max(start, stop), dtype=np.int64)
+        return self.order(self._plan.start + self.rank + local * self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        self._yielded = 0
+        for chunk_start, chunk_stop in _chunks(len(self)):
+            chunk = self.indices(chunk_start, chunk_stop).tolist()
+            for self._yielded, index in enumerate(chunk, chunk_start + 1):
+                yield index
+
+    def iter_batches(self, batch_size: int, drop_last: bool = False) -> Iterator[list[int]]:
+        """Batches of this rank's indices, computed vectorised (the fast path)."""
+        if batch_size < 1:
+            raise ConfigError(f"iter_batches: batch_size must be >= 1, got {batch_size}")
+        total = len(self) - (len(self) % batch_size if drop_last else 0)
+        step = max(batch_size, _CHUNK // batch_size * batch_size)
+        self._yielded = 0
+        for chunk_start in range(0, total, step):
+            chunk = self.indices(chunk_start, min(chunk_start + step, total))
+            for begin in range(0, len(chunk), batch_size):
+                batch = chunk[begin : begin + batch_size].tolist()
+                self._yielded += len(batch)
+                yield batch
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        """Where this epoch stands, by global position: resumable on any world size.
+
+        ``local_consumed`` is how many of this rank's samples the training loop really used
+        (a DataLoader prefetches ahead of it); by default, how many the iterator yielded.
+        """
+        consumed = self._yielded if local_consumed is None else local_consumed
+        if not 0 <= consumed <= len(self):
+            raise ConfigError(
+                f"PermutationSampler.state_dict: local_consumed must be in [0, {len(self)}], "
+                f"got {consumed}"
+            )
+        return {
+            "version": _STATE_VERSION,
+            "n": self.n,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "block_size": self.block_size,
+            "window": self.window,
+            "epoch": self.epoch,
+            "position": min(self._plan.start + consumed * self.world_size, max(self.n, 0)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch at its global position, in O(1)."""
+        for field in ("n", "seed", "shuffle", "block_size", "window"):
+            if field not in state:
+                raise ConfigError(f"PermutationSampler.load_state_dict: state lacks {field!r}")
+            if state[field] != getattr(self, field):
+                raise ConfigError(
+                    f"PermutationSampler.load_state_dict: state has {field}={state[field]!r} "
+                    f"but this sampler has {field}={getattr(self, field)!r}"
+                )
+        position = state.get("position")
+        if not isinstance(position, int) or not 0 <= position <= self.n:
+            raise ConfigError(
+                f"PermutationSampler.load_state_dict: position must be in [0, {self.n}], "
+                f"got {position!r}"
+            )
+        self.epoch = int(state["epoch"])
+        self._start = position
+        self._plan = self._make_plan(position)
+        self._yielded = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"PermutationSampler(n={self.n}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
+        )
+
+
+class WeightedSampler(Sampler[int]):
+    """Sampling with replacement by weight (e.g. class balancing), deterministic per epoch.
+
+    Each global position draws independently from a counter-based generator keyed by
+    ``(seed, epoch, position)``, so ranks shard by position like :class:`PermutationSampler`
+    and resuming costs O(1). Memory is O(len(weights)) for the cumulative weights.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[float] | npt.ArrayLike,
+        num_samples: int,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        if w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+            raise ConfigError("WeightedSampler: weights must be finite, >= 0, with a positive sum")
+        if num_samples < 1:
+            raise ConfigError(f"WeightedSampler: num_samples must be >= 1, got {num_samples}")
+        self._cdf = np.cumsum(w) / w.sum()
+        self._cdf[-1] = 1.0
+        self._positions = PermutationSampler(
+            num_samples, shuffle=False, seed=seed, rank=rank, world_size=world_size
+        )
+        self.seed = seed
+
+    @classmethod
+    def balanced(cls, labels: Sequence[int] | npt.ArrayLike, **kwargs: Any) -> WeightedSampler:
+        """Every class equally likely: weight = 1 / (count of the sample's class)."""
+        y = np.asarray(labels).reshape(-1)
+        _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
+        kwargs.setdefault("num_samples", y.size)
+        return cls(1.0 / counts[inverse], **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._positions.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def indices(self, start: int = 0, stop: int | None = None) -> Indices:
+        positions = self._positions.indices(start, stop).astype(np.uint64)
+        key = _splitmix64((self.seed & _MASK64) ^ _splitmix64(self._positions.epoch + 0x5EED))
+        uniform = (_mix(positions, key) >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        drawn: Indices = np.searchsorted(self._cdf, uniform, side="right").astype(np.int64)
+        return drawn
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk_start, chunk_stop in _chunks(len(self)):
+            chunk = self.indices(chunk_start, chunk_stop).tolist()
+            for self._positions._yielded, index in enumerate(chunk, chunk_start + 1):
+                yield index
+
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        return self._positions.state_dict(local_consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._positions.load_state_dict(state)
