@@ -1,0 +1,76 @@
+"""Run the benchmark scenarios: ``python -m benchmarks [--quick] [--only NAME ...]``.
+
+Each scenario writes ``benchmarks/results/<name>.json`` (machine, date, method, rows) and its
+table is printed; ``docs/benchmarks.md`` records the tables that README claims are taken from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import sampler
+
+SCENARIOS = {"sampler": sampler.run}
+RESULTS = Path(__file__).with_name("results")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        cells = []
+        for key in columns:
+            value = row.get(key, "")
+            cells.append(_cell(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (< 3 min)")
+    parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), default=sorted(SCENARIOS))
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.results.mkdir(parents=True, exist_ok=True)
+    for name in args.only:
+        rows = SCENARIOS[name](args.quick)
+        record = {
+            "scenario": name,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "machine": machine(),
+            "rows": rows,
+        }
+        (args.results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"\n## {name} ({'quick' if args.quick else 'full'}, {record['date']})\n")
+        print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
