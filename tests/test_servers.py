@@ -98,7 +98,8 @@ def test_b2_upload_list_download_range_delete(b2: B2Server) -> None:
     for name, data in small.items():
         bucket.upload_bytes(data, name)
     big = os.urandom(12 * 1024 * 1024 + 5)  # > the advertised 5 MB part size: a large file
-    bucket.upload_bytes(big, f"{prefix}/big.bin")
+    big_version = bucket.upload_bytes(big, f"{prefix}/big.bin")
+    assert big_version.content_sha1 == "none"  # B2 marks files assembled from parts this way
 
     listed = {fv.file_name: fv.size for fv, _ in bucket.ls(prefix, recursive=True)}
     assert listed == {**{k: len(v) for k, v in small.items()}, f"{prefix}/big.bin": len(big)}
@@ -113,6 +114,10 @@ def test_b2_upload_list_download_range_delete(b2: B2Server) -> None:
     assert download(name, (7, 99)) == data[7:100]
     assert download(f"{prefix}/big.bin") == big
     assert download(f"{prefix}/big.bin", (5_000_000, 5_000_099)) == big[5_000_000:5_000_100]
+
+    by_id = io.BytesIO()
+    bucket.download_file_by_id(big_version.id_, range_=(3, 9)).save(by_id)
+    assert by_id.getvalue() == big[3:10]
 
     version = bucket.get_file_info_by_name(name)
     bucket.delete_file_version(version.id_, name)
