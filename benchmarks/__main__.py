@@ -43,11 +43,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for row in rows:
-        cells = []
-        for key in columns:
-            value = row.get(key, "")
-            cells.append(_cell(value))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(row.get(key, "")) for key in columns) + " |")
     return "\n".join(lines)
 
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +120,9 @@ def list_samples(url: str, storage_options: dict[str, Any]) -> tuple[list[str], 
     if not keys:
         raise SystemExit(f"no .npy objects under {url}")
     protocol = url.split("://", 1)[0]
-    classes = sorted({k.rsplit("/", 2)[-2] for k in keys})
-    labels = [classes.index(k.rsplit("/", 2)[-2]) % CLASSES for k in keys]
+    parents = [k.rsplit("/", 2)[-2] for k in keys]
+    class_of = {name: i % CLASSES for i, name in enumerate(sorted(set(parents)))}
+    labels = [class_of[parent] for parent in parents]
     return [f"{protocol}://{k}" for k in keys], labels
 
 
@@ -210,13 +210,13 @@ def local_bucket(
         args.latency_ms,
         args.latency_ms + args.jitter_ms,
     )
-    direct: Callable[..., Any] = fsspec.filesystem
-    synthetic_dataset(direct("s3", **server.storage_options()), f"{BUCKET}/images", args.samples)
+    synthetic_dataset(
+        fsspec.filesystem("s3", **server.storage_options()), f"{BUCKET}/images", args.samples
+    )
     options = {**server.storage_options(proxy.endpoint), "skip_instance_cache": True}
     urls, labels = list_samples(f"s3://{BUCKET}/images", options)
     return urls, labels, options
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     main()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,7 +183,6 @@ class PermutationSampler(Sampler[int]):
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.window = block_size, window
         self.epoch = 0
-        self._start = 0
         self._yielded = 0
         self._plan = self._make_plan(0)
 
@@ -191,7 +190,7 @@ class PermutationSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch``. Setting the current epoch again keeps a resume point."""
         if epoch != self.epoch:
-            self.epoch, self._start = epoch, 0
+            self.epoch = epoch
             self._plan = self._make_plan(0)
 
     def _make_plan(self, start: int) -> _Plan:
@@ -279,11 +278,7 @@ class PermutationSampler(Sampler[int]):
         return self.order(self._plan.start + self.rank + local * self.world_size)
 
     def __iter__(self) -> Iterator[int]:
-        self._yielded = 0
-        for chunk_start, chunk_stop in _chunks(len(self)):
-            chunk = self.indices(chunk_start, chunk_stop).tolist()
-            for self._yielded, index in enumerate(chunk, chunk_start + 1):
-                yield index
+        return _iter_counted(self, self.indices)
 
     def iter_batches(self, batch_size: int, drop_last: bool = False) -> Iterator[list[int]]:
         """Batches of this rank's indices, computed vectorised (the fast path)."""
@@ -320,7 +315,7 @@ class PermutationSampler(Sampler[int]):
             "block_size": self.block_size,
             "window": self.window,
             "epoch": self.epoch,
-            "position": min(self._plan.start + consumed * self.world_size, max(self.n, 0)),
+            "position": min(self._plan.start + consumed * self.world_size, self.n),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -340,7 +335,6 @@ class PermutationSampler(Sampler[int]):
                 f"got {position!r}"
             )
         self.epoch = int(state["epoch"])
-        self._start = position
         self._plan = self._make_plan(position)
         self._yielded = 0
 
@@ -349,6 +343,17 @@ class PermutationSampler(Sampler[int]):
             f"PermutationSampler(n={self.n}, shuffle={self.shuffle}, seed={self.seed}, "
             f"rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
         )
+
+
+def _iter_counted(
+    counter: PermutationSampler, indices: Callable[[int, int], Indices]
+) -> Iterator[int]:
+    """Yield ``indices`` chunk by chunk, keeping ``counter``'s count for ``state_dict()``."""
+    counter._yielded = 0
+    for chunk_start, chunk_stop in _chunks(len(counter)):
+        chunk = indices(chunk_start, chunk_stop).tolist()
+        for counter._yielded, index in enumerate(chunk, chunk_start + 1):
+            yield index
 
 
 class WeightedSampler(Sampler[int]):
@@ -402,10 +407,7 @@ class WeightedSampler(Sampler[int]):
         return drawn
 
     def __iter__(self) -> Iterator[int]:
-        for chunk_start, chunk_stop in _chunks(len(self)):
-            chunk = self.indices(chunk_start, chunk_stop).tolist()
-            for self._positions._yielded, index in enumerate(chunk, chunk_start + 1):
-                yield index
+        return _iter_counted(self._positions, self.indices)
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
         return self._positions.state_dict(local_consumed)
