@@ -15,6 +15,7 @@ import base64
 import enum
 import functools
 import io
+import itertools
 import json
 import logging
 import re
@@ -32,7 +33,7 @@ from b2sdk._internal.exception import (
     NonExistentBucket,
     PartSha1Mismatch,
 )
-from b2sdk._internal.raw_simulator import RawSimulator
+from b2sdk._internal.raw_simulator import BucketSimulator, RawSimulator
 from b2sdk._internal.utils import b2_url_decode
 
 API = "/b2api/{version:v[34]}"
@@ -81,11 +82,26 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return reply({"status": status, "code": code, "message": message}, status)
 
 
+class _Bucket(BucketSimulator):  # type: ignore[misc]  # b2sdk is untyped
+    """The simulator's bucket, without its limit of ~5,000 uploads and 200 upload URLs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # ids count down (newest version sorts first) and keep one width for 9e14 uploads
+        self.file_id_counter = itertools.count(10**15 - 1, -1)
+        self.upload_timestamp_counter = itertools.count(5000)
+        self.upload_url_counter = itertools.count()
+
+
+class _Simulator(RawSimulator):  # type: ignore[misc]
+    BUCKET_SIMULATOR_CLASS = _Bucket
+
+
 class B2App:
     """The HTTP surface over one ``RawSimulator`` holding one account."""
 
     def __init__(self, key_id: str, key: str) -> None:
-        self.sim = RawSimulator()
+        self.sim = _Simulator()
         account_id, _ = self.sim.create_account()
         master = self.sim.key_id_to_key.pop(account_id)
         master.application_key_id = key_id

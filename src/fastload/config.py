@@ -1,0 +1,83 @@
+"""Frozen, validated option dataclasses; the only place that reads ``FASTLOAD_*`` variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from fastload.errors import ConfigError
+
+__all__ = ["FetchConfig"]
+
+
+def _check(owner: object, name: str, ok: bool, expected: str) -> None:
+    if not ok:
+        value = getattr(owner, name)
+        raise ConfigError(f"{type(owner).__name__}.{name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How :mod:`fastload.fetch` reads objects.
+
+    concurrency: requests in flight at once.
+    timeout: seconds one attempt may take before it counts as a transient failure.
+    retries: further attempts after a transient failure (throttling, 5xx, reset, truncation,
+        timeout); not-found and access-denied are never retried.
+    backoff / max_backoff: full-jitter exponential backoff, base and cap in seconds.
+    hedge_after: seconds after which a still-unanswered request is sent a second time and the
+        first answer wins (None: no hedging).
+    fast_path: read s3:// through obstore when it is installed and the storage_options allow
+        (see ``fastload.stores._fast``); False always uses fsspec.
+    """
+
+    concurrency: int = 64
+    timeout: float = 60.0
+    retries: int = 6
+    backoff: float = 0.05
+    max_backoff: float = 5.0
+    hedge_after: float | None = None
+    fast_path: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self, "concurrency", _is_int(self.concurrency) and self.concurrency >= 1, ">= 1")
+        _check(self, "timeout", _is_num(self.timeout) and self.timeout > 0, "> 0")
+        _check(self, "retries", _is_int(self.retries) and self.retries >= 0, ">= 0")
+        _check(self, "backoff", _is_num(self.backoff) and self.backoff >= 0, ">= 0")
+        _check(self, "max_backoff", _is_num(self.max_backoff) and self.max_backoff >= 0, ">= 0")
+        hedge = self.hedge_after
+        _check(self, "hedge_after", hedge is None or (_is_num(hedge) and hedge > 0), "None or > 0")
+        _check(self, "fast_path", isinstance(self.fast_path, bool), "a bool")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FetchConfig:
+        """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY)."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"FASTLOAD_FETCH_{f.name.upper()}")
+            if raw is None:
+                continue
+            try:
+                changes[f.name] = None if raw.lower() == "none" else _parse(f.name, raw)
+            except ValueError as exc:
+                raise ConfigError(f"FASTLOAD_FETCH_{f.name.upper()}={raw!r}: {exc}") from exc
+        return replace(cls(), **changes)
+
+
+def _parse(name: str, raw: str) -> int | float | bool:
+    if name == "fast_path":
+        if raw.lower() not in {"0", "1", "true", "false"}:
+            raise ValueError("expected true/false")
+        return raw.lower() in {"1", "true"}
+    return int(raw) if name in {"concurrency", "retries"} else float(raw)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,241 @@
+"""Read many objects (or byte ranges) at once: bounded concurrency, retries, hedging, counters.
+
+Async filesystems (s3fs, gcsfs) are driven on fsspec's IO loop; blocking ones (b2://, file://,
+memory://) run on a thread pool of the same width. Every failure is classified once
+(:func:`fastload.stores.classify`): transient ones are retried with full-jitter exponential
+backoff, the rest, and those that outlast the retries, are raised as fastload errors naming the
+object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import fsspec.asyn
+from fsspec import AbstractFileSystem
+
+from fastload.config import FetchConfig
+from fastload.errors import ConfigError, TransientStoreError
+from fastload.stats import FetchStats
+from fastload.stores import StoreURL, _fast, fast_reader, filesystem, parse_url, translate
+from fastload.stores._retry import retrying
+
+__all__ = ["Fetcher", "Request", "fetch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One object, or the byte range ``[start, end)`` of it.
+
+    ``size``, when known (e.g. from a Manifest), is the whole object's size: a body shorter than
+    expected is then treated as truncated and retried.
+    """
+
+    url: str
+    start: int | None = None
+    end: int | None = None
+    size: int | None = None
+
+    def expected_length(self) -> int | None:
+        if self.size is None:
+            return None
+        start = self.start or 0
+        end = self.size if self.end is None else min(self.end, self.size)
+        return max(0, end - start)
+
+
+@dataclass(frozen=True)
+class _Target:
+    fs: AbstractFileSystem
+    path: str  # the filesystem's path
+    url: str  # for messages
+    fast: Any  # an obstore store, or None
+    key: str  # the object key within the bucket (for the fast path)
+
+
+def _as_request(item: str | Request) -> Request:
+    if isinstance(item, Request):
+        return item
+    if isinstance(item, str):
+        return Request(item)
+    raise ConfigError(f"fetch expects URLs or fastload.fetch.Request, got {item!r}")
+
+
+class Fetcher:
+    """Concurrent, retrying reads through the per-process filesystems of :mod:`fastload.stores`.
+
+    One Fetcher may be shared by threads; its :attr:`stats` add up everything it did.
+    """
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        config: FetchConfig | None = None,
+    ) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.config = config or FetchConfig()
+        self.stats = FetchStats()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
+        self._lock = threading.Lock()
+
+    def fetch(
+        self, items: Sequence[str | Request], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """The bodies of ``items`` in order.
+
+        With ``return_exceptions=True`` a failed item's slot holds its :class:`StoreError`
+        instead of raising the first failure.
+        """
+        requests = [_as_request(item) for item in items]
+        if not requests:
+            return []
+        targets = [self._target(r) for r in requests]
+        loop = fsspec.asyn.get_loop()  # the IO loop s3fs and gcsfs run on by default
+        results: list[Any] = fsspec.asyn.sync(loop, self._run, requests, targets, return_exceptions)
+        return results
+
+    def _target(self, request: Request) -> _Target:
+        parsed: StoreURL = parse_url(request.url)
+        fs = filesystem(parsed, self.storage_options)
+        negative = (request.start or 0) < 0 or (request.end or 0) < 0
+        fast = None
+        if self.config.fast_path and not negative:
+            fast = fast_reader(parsed, self.storage_options)
+        return _Target(fs, fs._strip_protocol(str(parsed)), str(parsed), fast, parsed.key)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(
+                    self.config.concurrency, thread_name_prefix="fastload-fetch"
+                )
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    async def _run(
+        self,
+        requests: list[Request],
+        targets: list[_Target],
+        return_exceptions: bool,
+    ) -> list[Any]:
+        gate = asyncio.Semaphore(self.config.concurrency)
+
+        async def bounded(request: Request, target: _Target) -> bytes:
+            async with gate:
+                return await self._fetch_one(request, target)
+
+        tasks = [
+            asyncio.ensure_future(bounded(r, t)) for r, t in zip(requests, targets, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=return_exceptions))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _fetch_one(self, request: Request, target: _Target) -> bytes:
+        config = self.config
+
+        def counted(exc: BaseException) -> None:
+            self.stats.retries += 1
+            log.debug("retrying %s after %r", target.url, exc)
+
+        try:
+            data = await retrying(
+                lambda: self._hedged(lambda: self._attempt(request, target)),
+                retries=config.retries,
+                backoff=config.backoff,
+                max_backoff=config.max_backoff,
+                on_retry=counted,
+            )
+        except Exception as exc:  # translated here, at the one boundary
+            self.stats.failures += 1
+            raise translate(exc, target.url) from exc
+        self.stats.objects += 1
+        self.stats.bytes += len(data)
+        return data
+
+    async def _hedged(self, call: Callable[[], Awaitable[bytes]]) -> bytes:
+        first: asyncio.Future[bytes] = asyncio.ensure_future(call())
+        if self.config.hedge_after is None:
+            return await first
+        finished, _ = await asyncio.wait({first}, timeout=self.config.hedge_after)
+        if finished:
+            return first.result()
+        self.stats.hedges += 1
+        second: asyncio.Future[bytes] = asyncio.ensure_future(call())
+        pending: set[asyncio.Future[bytes]] = {first, second}
+        error: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    if future.exception() is None:
+                        self.stats.hedge_wins += future is second
+                        return future.result()
+                    error = future.exception()
+        finally:
+            for future in pending:
+                future.cancel()
+        assert error is not None
+        raise error
+
+    def _call(self, request: Request, target: _Target) -> Awaitable[bytes]:
+        start, end = request.start, request.end
+        if target.fast is not None:
+            return _fast.read(target.fast, target.key, start, end)
+        if target.fs.async_impl:
+            return target.fs._cat_file(target.path, start=start, end=end)  # type: ignore[no-any-return]
+        job = partial(target.fs.cat_file, target.path, start=start, end=end)
+        return asyncio.get_running_loop().run_in_executor(self._executor(), job)
+
+    async def _attempt(self, request: Request, target: _Target) -> bytes:
+        self.stats.requests += 1
+        started = time.perf_counter()
+        url = target.url
+        call = self._call(request, target)
+        try:
+            data = bytes(await asyncio.wait_for(call, self.config.timeout))
+        except asyncio.TimeoutError as exc:
+            raise TransientStoreError(f"no answer within {self.config.timeout} s", url=url) from exc
+        expected = request.expected_length()
+        if expected is not None and len(data) != expected:
+            raise TransientStoreError(f"truncated body ({len(data)} of {expected} bytes)", url=url)
+        self.stats.latency.add(time.perf_counter() - started)
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None and self._pool_pid == os.getpid():
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Fetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def fetch(
+    items: Sequence[str | Request],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    config: FetchConfig | None = None,
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Read ``items`` concurrently (see :class:`Fetcher`); bodies in the order given."""
+    with Fetcher(storage_options, config) as fetcher:
+        return fetcher.fetch(items, return_exceptions=return_exceptions)

@@ -1,0 +1,74 @@
+"""Counters and latency histograms shared by the stages (fetch, cache, loaders).
+
+A :class:`Histogram` has fixed logarithmic buckets (about 9% wide), so it costs O(1) memory
+however many requests it sees and merges across workers by adding counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+__all__ = ["FetchStats", "Histogram"]
+
+_PER_OCTAVE = 8
+_MIN_SECONDS = 1e-6
+_BUCKETS = 40 * _PER_OCTAVE  # 1 µs .. ~12 days
+
+
+class Histogram:
+    """Durations in seconds, bucketed logarithmically; percentiles accurate to one bucket."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(_BUCKETS, dtype=np.int64)
+        self.total = 0.0
+
+    def add(self, seconds: float) -> None:
+        ratio = max(seconds, _MIN_SECONDS) / _MIN_SECONDS
+        bucket = min(int(math.log2(ratio) * _PER_OCTAVE), _BUCKETS - 1)
+        self.counts[bucket] += 1
+        self.total += seconds
+
+    def merge(self, other: Histogram) -> None:
+        self.counts += other.counts
+        self.total += other.total
+
+    @property
+    def count(self) -> int:
+        return int(self.counts.sum())
+
+    def percentile(self, q: float) -> float:
+        """Upper edge of the bucket holding the ``q``-th percentile (0 when empty)."""
+        n = self.count
+        if n == 0:
+            return 0.0
+        rank = max(1, math.ceil(q / 100.0 * n))
+        bucket = int(np.searchsorted(np.cumsum(self.counts), rank))
+        return float(_MIN_SECONDS * 2 ** ((bucket + 1) / _PER_OCTAVE))
+
+
+@dataclass
+class FetchStats:
+    """What :class:`fastload.fetch.Fetcher` did: every attempt, retry, hedge and byte."""
+
+    requests: int = 0  # attempts sent, including retries and hedges
+    objects: int = 0  # requests answered in full
+    failures: int = 0  # requests given up (after retries, or not retryable)
+    retries: int = 0
+    hedges: int = 0  # duplicate requests sent for the slow tail
+    hedge_wins: int = 0  # hedges that answered first
+    bytes: int = 0
+    latency: Histogram = field(default_factory=Histogram)
+
+    def snapshot(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name != "latency"
+        }
+        out["latency_p50_ms"] = self.latency.percentile(50) * 1e3
+        out["latency_p99_ms"] = self.latency.percentile(99) * 1e3
+        out["latency_mean_ms"] = (
+            self.latency.total / self.latency.count * 1e3 if self.latency.count else 0.0
+        )
+        return out

@@ -1,0 +1,140 @@
+"""URL → filesystem: one fsspec filesystem per process and per (scheme, options).
+
+``s3://`` (s3fs), ``gs://`` (gcsfs), ``b2://`` (fastload's own filesystem over b2sdk),
+``file://`` and ``memory://``. Filesystems are created lazily, cached per process, and created
+afresh in a forked child (a client's connection pool must never be shared across a fork).
+Errors from the clients become fastload's own at one boundary: :func:`translate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from fastload._extras import import_extra
+from fastload.errors import ConfigError
+from fastload.stores import _fast
+from fastload.stores._errors import Kind, classify, translate
+from fastload.stores._perprocess import PerProcessCache
+
+__all__ = [
+    "SCHEMES",
+    "Kind",
+    "StoreURL",
+    "classify",
+    "fast_reader",
+    "filesystem",
+    "parse_url",
+    "translate",
+]
+
+
+@dataclass(frozen=True)
+class _Backend:
+    module: str
+    extra: str | None
+    attr: str
+
+
+SCHEMES: Mapping[str, _Backend] = {
+    "s3": _Backend("s3fs", "s3", "S3FileSystem"),
+    "gs": _Backend("gcsfs", "gcs", "GCSFileSystem"),
+    "gcs": _Backend("gcsfs", "gcs", "GCSFileSystem"),
+    "b2": _Backend("fastload.stores.b2", "b2", "B2FileSystem"),
+    "file": _Backend("fsspec.implementations.local", None, "LocalFileSystem"),
+    "memory": _Backend("fsspec.implementations.memory", None, "MemoryFileSystem"),
+}
+
+
+@dataclass(frozen=True)
+class StoreURL:
+    """A parsed object URL: ``scheme://path``, where path is ``bucket/key`` for object stores."""
+
+    scheme: str
+    path: str
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.path}"
+
+    def join(self, key: str) -> StoreURL:
+        base = self.path.rstrip("/")
+        return StoreURL(self.scheme, f"{base}/{key}" if base else key)
+
+    @property
+    def bucket(self) -> str:
+        return self.path.split("/", 1)[0]
+
+    @property
+    def key(self) -> str:
+        return self.path.partition("/")[2]
+
+
+def parse_url(url: str | os.PathLike[str]) -> StoreURL:
+    """Split and validate ``url``; a bare local path means ``file://``."""
+    text = os.fspath(url)
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"expected a non-empty URL string, got {url!r}")
+    if "://" not in text:
+        if ":" in text.split("/", 1)[0] and not os.path.isabs(text):
+            raise ConfigError(f"malformed URL (expected scheme://...): {text!r}")
+        return StoreURL("file", os.path.abspath(text))
+    scheme, path = text.split("://", 1)
+    scheme = scheme.lower()
+    if scheme not in SCHEMES:
+        known = ", ".join(f"{s}://" for s in SCHEMES)
+        raise ConfigError(f"unknown URL scheme {scheme!r} in {text!r} (supported: {known})")
+    if scheme == "file":
+        return StoreURL("file", os.path.abspath(path or "/"))
+    if scheme == "memory":
+        return StoreURL("memory", "/" + path.lstrip("/"))
+    if not path or path.startswith("/") or "//" in path.rstrip("/"):
+        raise ConfigError(f"malformed URL (expected {scheme}://bucket/key): {text!r}")
+    return StoreURL(scheme, path)
+
+
+_filesystems: PerProcessCache[tuple[str, str], AbstractFileSystem] = PerProcessCache()
+
+
+def _options_key(options: Mapping[str, Any]) -> str:
+    return json.dumps(dict(options), sort_keys=True, default=repr)
+
+
+def filesystem(
+    url: str | StoreURL, storage_options: Mapping[str, Any] | None = None
+) -> AbstractFileSystem:
+    """The process's filesystem for ``url``'s scheme and ``storage_options`` (created lazily).
+
+    In a forked child the cache starts empty, so no connection pool crosses a fork.
+    """
+    parsed = url if isinstance(url, StoreURL) else parse_url(url)
+    options = dict(storage_options or {})
+    key = (parsed.scheme, _options_key(options))
+    return _filesystems.get(key, lambda: _create(parsed.scheme, options))
+
+
+def fast_reader(url: StoreURL, storage_options: Mapping[str, Any] | None = None) -> Any | None:
+    """The obstore store that reads ``url``'s bucket faster than fsspec, or None (see ``_fast``)."""
+    options = dict(storage_options or {})
+    return _fast.fast_store(url.scheme, url.bucket, options, _options_key(options))
+
+
+def _create(scheme: str, options: dict[str, Any]) -> AbstractFileSystem:
+    backend = SCHEMES[scheme]
+    if backend.extra is None:
+        module = __import__(backend.module, fromlist=[backend.attr])
+    else:
+        module = import_extra(backend.module, extra=backend.extra, feature=f"{scheme}:// URLs")
+    cls = getattr(module, backend.attr)
+    if scheme == "s3":  # botocore's default pool (10 connections) would cap concurrency
+        config_kwargs = {"max_pool_connections": 256, **options.get("config_kwargs", {})}
+        options = {**options, "config_kwargs": config_kwargs}
+    try:
+        fs: AbstractFileSystem = cls(skip_instance_cache=True, **options)
+    except TypeError as exc:
+        raise ConfigError(f"bad storage_options for {scheme}://: {exc}") from exc
+    return fs

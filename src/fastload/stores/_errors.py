@@ -1,0 +1,189 @@
+"""The one boundary where client-library errors become fastload's own exceptions.
+
+botocore/s3fs, gcsfs, b2sdk, aiohttp and the builtins each say "not found", "denied" and "try
+again" differently. :func:`translate` looks through the exception (and the chain it was raised
+from) for the first thing it can classify and returns the matching :class:`StoreError`, with
+the URL (never a credential) in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import re
+from collections.abc import Iterator
+
+from fastload.errors import (
+    AccessDeniedError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+
+__all__ = ["Kind", "classify", "translate"]
+
+
+class Kind(enum.Enum):
+    NOT_FOUND = ObjectNotFoundError
+    DENIED = AccessDeniedError
+    TRANSIENT = TransientStoreError
+    OTHER = StoreError
+
+
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404", "no_such_file", "not_found"}
+_DENIED_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "ExpiredToken",
+    "InvalidToken",
+    "403",
+    "401",
+    "unauthorized",
+    "bad_auth_token",
+    "expired_auth_token",
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+    "500",
+    "502",
+    "503",
+    "504",
+    "429",
+    "service_unavailable",
+    "too_many_requests",
+    "internal_error",
+}
+_B2_NOT_FOUND = {"FileNotPresent", "NonExistentBucket", "BucketIdNotFound"}
+_B2_DENIED = {
+    "Unauthorized",
+    "AccessDenied",
+    "InvalidAuthToken",
+    "NotAllowedByAppKeyError",
+    "CapabilityNotAllowed",
+    "BucketNotAllowed",
+    "MissingAccountData",
+    "PermissionDeniedError",  # obstore
+    "UnauthenticatedError",  # obstore
+}
+_B2_TRANSIENT = {
+    "B2ConnectionError",
+    "B2RequestTimeout",
+    "ConnectionReset",
+    "TruncatedOutput",
+    "TooManyRequests",
+    "ServiceError",
+    "UnknownHost",
+}
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _code_kind(code: object) -> Kind | None:
+    text = str(code)
+    if text in _NOT_FOUND_CODES:
+        return Kind.NOT_FOUND
+    if text in _DENIED_CODES:
+        return Kind.DENIED
+    if text in _TRANSIENT_CODES:
+        return Kind.TRANSIENT
+    return None
+
+
+def _classify_one(exc: BaseException) -> Kind | None:
+    if isinstance(exc, StoreError):
+        return Kind(type(exc)) if type(exc) in {k.value for k in Kind} else Kind.OTHER
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _B2_NOT_FOUND:
+        return Kind.NOT_FOUND
+    if names & _B2_DENIED:
+        return Kind.DENIED
+    if names & (_B2_TRANSIENT | {"TransientErrorMixin"}):
+        return Kind.TRANSIENT
+    if "GenericError" in names:  # obstore: the HTTP status is only in the message
+        return _obstore_kind(str(exc))
+    response = getattr(exc, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        error = response.get("Error", {})
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return _code_kind(error.get("Code")) or _code_kind(status)
+    code = getattr(exc, "code", None)  # gcsfs HttpError, b2sdk errors
+    if isinstance(code, (int, str)) and (kind := _code_kind(code)) is not None:
+        return kind
+    if isinstance(exc, FileNotFoundError):
+        return Kind.NOT_FOUND
+    if isinstance(exc, PermissionError):
+        return Kind.DENIED
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return Kind.TRANSIENT
+    if names & {
+        "ClientPayloadError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "HTTPClientError",
+        "IncompleteRead",
+        "ResponseParserError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "FSTimeoutError",
+        "ChecksumMismatch",
+        "FileSha1Mismatch",
+    }:
+        return Kind.TRANSIENT
+    return None
+
+
+_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+
+
+def _obstore_kind(message: str) -> Kind | None:
+    status = _STATUS.search(message)
+    if status:
+        return _code_kind(status.group(1))
+    if "HTTP error" in message or "timed out" in message:
+        return Kind.TRANSIENT  # reset, refused, truncated body, timeout
+    return None
+
+
+def classify(exc: BaseException) -> Kind:
+    """What kind of failure ``exc`` is: the first classifiable error in its chain, else OTHER."""
+    for link in _chain(exc):
+        kind = _classify_one(link)
+        if kind is not None:
+            return kind
+    return Kind.OTHER
+
+
+_MESSAGES = {
+    Kind.NOT_FOUND: "no such object or bucket",
+    Kind.DENIED: "access denied (check the credentials and their permissions)",
+    Kind.TRANSIENT: "the store failed transiently",
+    Kind.OTHER: "the store operation failed",
+}
+
+
+def translate(exc: BaseException, url: str) -> StoreError:
+    """The fastload error for ``exc`` raised while working on ``url`` (raise it ``from exc``)."""
+    if isinstance(exc, StoreError) and exc.url is not None:
+        return exc
+    kind = classify(exc)
+    detail = type(exc).__name__
+    error: StoreError = kind.value(f"{_MESSAGES[kind]} ({detail})", url=url)
+    return error

@@ -1,0 +1,113 @@
+"""The fast read path: obstore (a Rust object-store client) behind the same s3:// URLs.
+
+s3fs/botocore spend about 2 ms of CPU per GET; obstore about a quarter of that, which is what
+decides throughput on a small machine (see docs/benchmarks.md). It is used only for reads, only
+when obstore is installed and the ``storage_options`` say everything it needs (explicit keys or
+AWS_* variables, a known region or endpoint); anything else keeps the general s3fs path.
+Retries stay in :mod:`fastload.fetch` (obstore's own are switched off) so every attempt is
+counted and backed off the same way on every store.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from fastload.stores._perprocess import PerProcessCache
+
+log = logging.getLogger(__name__)
+
+__all__ = ["fast_store", "read"]
+
+_OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "anon"}
+_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_CONFIG_KWARGS = {"max_pool_connections", "s3"}
+
+_stores: PerProcessCache[tuple[str, str], Any] = PerProcessCache()
+
+
+def _obstore() -> Any:
+    try:
+        importlib.import_module("obstore.store")
+        return importlib.import_module("obstore")
+    except ImportError:
+        return None
+
+
+def _s3_kwargs(options: Mapping[str, Any]) -> dict[str, Any] | None:
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    if set(options) - _OPTIONS or set(client_kwargs) - _CLIENT_KWARGS:
+        return None
+    if set(config_kwargs) - _CONFIG_KWARGS or set(config_kwargs.get("s3", {})) - {
+        "addressing_style"
+    }:
+        return None
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    region = (
+        client_kwargs.get("region_name")
+        or os.environ.get("AWS_REGION")
+        or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    anon = bool(options.get("anon"))
+    has_keys = bool(options.get("key") and options.get("secret")) or bool(
+        os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    )
+    if not (anon or has_keys) or not (region or endpoint):
+        return None  # profiles, SSO, bucket-region discovery: botocore knows them, keep s3fs
+    style = config_kwargs.get("s3", {}).get("addressing_style")
+    kwargs: dict[str, Any] = {
+        "region": region or "us-east-1",
+        "virtual_hosted_style_request": style == "virtual" or (not endpoint and style != "path"),
+        "client_options": {
+            "allow_http": bool(endpoint and str(endpoint).startswith("http://")),
+            "timeout": timedelta(hours=1),  # per-attempt timeouts are fastload.fetch's
+            "connect_timeout": timedelta(seconds=10),
+        },
+        "retry_config": {"max_retries": 0, "retry_timeout": timedelta(hours=1)},
+    }
+    if endpoint:
+        kwargs["endpoint"] = str(endpoint)
+    if anon:
+        kwargs["skip_signature"] = True
+    elif options.get("key"):
+        kwargs["access_key_id"] = options["key"]
+        kwargs["secret_access_key"] = options["secret"]
+        if options.get("token"):
+            kwargs["session_token"] = options["token"]
+    return kwargs
+
+
+def fast_store(scheme: str, bucket: str, options: Mapping[str, Any], key: str) -> Any | None:
+    """An obstore store for ``scheme://bucket`` (cached per process), or None to use fsspec."""
+    obstore = _obstore() if scheme == "s3" else None
+    if obstore is None:
+        return None
+
+    def create() -> Any:
+        kwargs = _s3_kwargs(options)
+        if kwargs is None:
+            log.debug("s3://%s: these storage_options need s3fs; fast path off", bucket)
+            return None
+        return obstore.store.S3Store(bucket, **kwargs)
+
+    return _stores.get((bucket, key), create)
+
+
+async def read(store: Any, key: str, start: int | None, end: int | None) -> bytes:
+    """``key``'s bytes ``[start, end)`` (non-negative offsets) through obstore."""
+    obstore = _obstore()
+    if start is None and end is None:
+        result = await obstore.get_async(store, key)
+        return bytes(await result.bytes_async())
+    begin = start or 0
+    if end is None:
+        result = await obstore.get_async(store, key, options={"range": {"offset": begin}})
+        return bytes(await result.bytes_async())
+    if end <= begin:
+        return b""
+    return bytes(await obstore.get_range_async(store, key, start=begin, end=end))

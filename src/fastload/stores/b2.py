@@ -1,0 +1,300 @@
+"""``b2://bucket/key``: an fsspec filesystem over Backblaze's b2sdk (native B2 API).
+
+Registered as the fsspec entry point ``b2``, so ``fsspec.open("b2://bucket/key")`` works once
+fastload is installed with the ``b2`` extra. Credentials come from ``storage_options``
+(``key_id``, ``key``) or the usual ``B2_APPLICATION_KEY_ID`` / ``B2_APPLICATION_KEY``
+environment variables; ``realm`` is ``"production"`` or the URL of another B2 endpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from fastload._extras import import_extra
+from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError
+from fastload.stores._errors import translate
+
+__all__ = ["B2FileSystem"]
+
+_b2 = import_extra("b2sdk.v2", extra="b2", feature="b2:// URLs")
+
+Info = dict[str, Any]
+
+
+@contextmanager
+def _translated(path: str) -> Iterator[None]:
+    try:
+        yield
+    except _b2.exception.B2Error as exc:
+        raise translate(exc, f"b2://{path}") from exc
+
+
+class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyped
+    """fsspec filesystem for Backblaze B2 over the native API (b2sdk)."""
+
+    protocol = ("b2",)
+    root_marker = ""
+
+    def __init__(
+        self,
+        key_id: str | None = None,
+        key: str | None = None,
+        realm: str = "production",
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._key_id = key_id or os.environ.get("B2_APPLICATION_KEY_ID")
+        self._key = key or os.environ.get("B2_APPLICATION_KEY")
+        if not self._key_id or not self._key:
+            raise AccessDeniedError(
+                "B2 credentials missing: pass storage_options key_id and key, or set "
+                "B2_APPLICATION_KEY_ID and B2_APPLICATION_KEY"
+            )
+        self._realm = realm
+        self._lock = threading.Lock()
+        self._api_pid = -1
+        self._api_obj: Any = None
+        self._buckets: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"B2FileSystem(realm={self._realm!r})"  # never the key
+
+    @property
+    def _api(self) -> Any:
+        """The authorized B2Api, created lazily and afresh after a fork."""
+        with self._lock:
+            if self._api_pid != os.getpid():
+                api = _b2.B2Api(_b2.InMemoryAccountInfo())
+                with _translated(""):
+                    api.authorize_account(self._realm, self._key_id, self._key)
+                self._api_obj, self._api_pid, self._buckets = api, os.getpid(), {}
+            return self._api_obj
+
+    def _bucket(self, name: str) -> Any:
+        if not name:
+            raise ConfigError("b2:// path has no bucket name")
+        api = self._api
+        with self._lock:
+            bucket = self._buckets.get(name)
+        if bucket is None:
+            with _translated(name):
+                bucket = api.get_bucket_by_name(name)
+            with self._lock:
+                self._buckets[name] = bucket
+        return bucket
+
+    @classmethod
+    def _strip_protocol(cls, path: str | list[str]) -> Any:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        if path.startswith("b2://"):
+            path = path[len("b2://") :]
+        return path.strip("/")
+
+    @staticmethod
+    def _split(path: str) -> tuple[str, str]:
+        bucket, _, key = path.partition("/")
+        return bucket, key
+
+    # -- listing -------------------------------------------------------------------------
+
+    @staticmethod
+    def _file_info(bucket: str, version: Any) -> Info:
+        return {
+            "name": f"{bucket}/{version.file_name}",
+            "size": version.size,
+            "type": "file",
+            "mtime": version.upload_timestamp / 1000.0,
+            "version": version.id_,
+            "etag": version.content_sha1,
+        }
+
+    @staticmethod
+    def _dir_info(name: str) -> Info:
+        return {"name": name.rstrip("/"), "size": 0, "type": "directory"}
+
+    def _list(self, path: str, recursive: bool) -> list[Info]:
+        bucket_name, key = self._split(path)
+        bucket = self._bucket(bucket_name)
+        folder = f"{key}/" if key else ""
+        out: list[Info] = []
+        with _translated(path):
+            for version, folder_name in bucket.ls(
+                folder_to_list=folder, recursive=recursive, latest_only=True
+            ):
+                if folder_name is not None:
+                    out.append(self._dir_info(f"{bucket_name}/{folder_name}"))
+                else:
+                    out.append(self._file_info(bucket_name, version))
+        return out
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        path = self._strip_protocol(path)
+        if not path:
+            with _translated(""):
+                names = sorted(b.name for b in self._api.list_buckets())
+            entries = [self._dir_info(n) for n in names]
+        else:
+            entries = self._list(path, recursive=False)
+            if not entries:
+                entries = [self.info(path)]  # a file lists as itself; raises if missing
+        return entries if detail else [e["name"] for e in entries]
+
+    def find(
+        self,
+        path: str,
+        maxdepth: int | None = None,
+        withdirs: bool = False,
+        detail: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        path = self._strip_protocol(path)
+        if maxdepth is not None or withdirs or not path:
+            return super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail)
+        try:
+            files = {e["name"]: e for e in self._list(path, recursive=True)}
+        except ObjectNotFoundError:
+            files = {}
+        if not files and self._split(path)[1]:
+            try:
+                info = self.info(path)
+            except FileNotFoundError:
+                info = None
+            if info is not None and info["type"] == "file":
+                files = {info["name"]: info}
+        names = sorted(files)
+        return {n: files[n] for n in names} if detail else names
+
+    def info(self, path: str, **kwargs: Any) -> Info:
+        path = self._strip_protocol(path)
+        bucket_name, key = self._split(path)
+        bucket = self._bucket(bucket_name)
+        if not key:
+            return self._dir_info(bucket_name)
+        try:
+            with _translated(path):
+                version = bucket.get_file_info_by_name(key)
+            return self._file_info(bucket_name, version)
+        except ObjectNotFoundError:
+            pass
+        with _translated(path):
+            for _ in bucket.ls(folder_to_list=f"{key}/", latest_only=True):
+                return self._dir_info(path)
+        raise ObjectNotFoundError("no such object", url=f"b2://{path}")
+
+    def modified(self, path: str) -> datetime:
+        return datetime.fromtimestamp(self.info(path)["mtime"], tz=timezone.utc)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+    ) -> bytes:
+        path = self._strip_protocol(path)
+        bucket_name, key = self._split(path)
+        if (start or 0) < 0 or (end is not None and end < 0) or (start and end is None):
+            size = self.info(path)["size"]
+            start = max(0, size + start) if start and start < 0 else start
+            end = size if end is None else max(0, size + end) if end < 0 else min(end, size)
+        start = start or 0
+        if end is not None and end <= start:
+            return b""
+        range_ = None if end is None else (start, end - 1)
+        buffer = io.BytesIO()
+        with _translated(path):
+            self._bucket(bucket_name).download_file_by_name(key, range_=range_).save(buffer)
+        return buffer.getvalue()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        path = self._strip_protocol(path)
+        bucket_name, key = self._split(path)
+        with _translated(path):
+            self._bucket(bucket_name).upload_bytes(bytes(value), key)
+
+    def _upload_stream(self, path: str, stream: Any) -> None:
+        bucket_name, key = self._split(path)
+        with _translated(path):
+            self._bucket(bucket_name).upload_unbound_stream(stream, key)
+
+    def rm_file(self, path: str) -> None:
+        path = self._strip_protocol(path)
+        bucket_name, key = self._split(path)
+        bucket = self._bucket(bucket_name)
+        with _translated(path):
+            versions = list(bucket.list_file_versions(key))
+            if not versions:
+                raise ObjectNotFoundError("no such object", url=f"b2://{path}")
+            for version in versions:
+                self._api.delete_file_version(version.id_, version.file_name)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        paths = [path] if isinstance(path, str) else list(path)
+        for given in paths:
+            item = self._strip_protocol(given)
+            targets = self.find(item) if recursive else [item]
+            if not targets and not self._split(item)[1]:
+                continue  # an empty bucket
+            for target in targets:
+                self.rm_file(target)
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        bucket_name, key = self._split(self._strip_protocol(path))
+        if key:
+            return  # B2 folders are virtual
+        with _translated(bucket_name):
+            existing = {b.name for b in self._api.list_buckets()}
+            if bucket_name not in existing:
+                self._api.create_bucket(bucket_name, kwargs.get("bucket_type", "allPrivate"))
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.mkdir(path)
+
+    def rmdir(self, path: str) -> None:
+        bucket_name, key = self._split(self._strip_protocol(path))
+        if key:
+            return
+        bucket = self._bucket(bucket_name)
+        with _translated(bucket_name):
+            self._api.delete_bucket(bucket)
+        with self._lock:
+            self._buckets.pop(bucket_name, None)
+
+    def _open(
+        self, path: str, mode: str = "rb", block_size: int | None = None, **kwargs: Any
+    ) -> B2File:
+        return B2File(self, self._strip_protocol(path), mode, block_size or "default", **kwargs)
+
+
+class B2File(AbstractBufferedFile):  # type: ignore[misc]  # fsspec is untyped
+    """A buffered B2 file: range reads; writes spool locally and upload on close."""
+
+    fs: B2FileSystem
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        return self.fs.cat_file(self.path, start, end)
+
+    def _initiate_upload(self) -> None:
+        self._spool: Any = tempfile.SpooledTemporaryFile(max_size=64 * 2**20)  # noqa: SIM115
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        self._spool.write(self.buffer.getbuffer())
+        if final:
+            self._spool.seek(0)
+            try:
+                self.fs._upload_stream(self.path, self._spool)
+            finally:
+                self._spool.close()
+        return True
