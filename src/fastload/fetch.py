@@ -113,7 +113,7 @@ class Fetcher:
         fast = None
         if self.config.fast_path and not negative:
             fast = fast_reader(parsed, self.storage_options)
-        return _Target(fs, fs._strip_protocol(str(parsed)), str(parsed), fast, parsed.key)
+        return _Target(fs, fs._strip_protocol(str(parsed)), request.url, fast, parsed.key)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -202,6 +202,9 @@ class Fetcher:
         return asyncio.get_running_loop().run_in_executor(self._executor(), job)
 
     async def _attempt(self, request: Request, target: _Target) -> bytes:
+        start, end = request.start, request.end
+        if start is not None and end is not None and 0 <= end <= start:
+            return b""  # stores disagree on empty ranges; the answer is known
         self.stats.requests += 1
         started = time.perf_counter()
         url = target.url

@@ -59,6 +59,8 @@ class StoreURL:
     path: str
 
     def __str__(self) -> str:
+        if self.scheme == "memory":
+            return f"memory://{self.path.lstrip('/')}"
         return f"{self.scheme}://{self.path}"
 
     def join(self, key: str) -> StoreURL:

@@ -71,14 +71,19 @@ class _GcsPages:
     ) -> tuple[list[Listed], bool]:
         extra = {"startOffset": start_after} if start_after else {}
         out = await self.fs._call(
-            "GET", "b/{}/o", self.bucket, prefix=prefix, maxResults=limit, json_out=True, **extra
+            "GET",
+            "b/{}/o",
+            self.bucket,
+            prefix=prefix,
+            maxResults=limit + 1,  # startOffset is inclusive: room for start_after itself
+            json_out=True,
+            **extra,
         )
         entries = [
             Listed(item["name"], int(item["size"]), str(item.get("generation", "")))
             for item in out.get("items", [])
-            if start_after is None or item["name"] > start_after  # startOffset is inclusive
         ]
-        return entries, bool(out.get("nextPageToken"))
+        return _after(entries, start_after, limit, bool(out.get("nextPageToken")))
 
 
 class _B2Pages:
@@ -92,14 +97,27 @@ class _B2Pages:
 
     def _page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[Listed], bool]:
         bucket = self.fs._bucket(self.bucket)
-        out = bucket.api.session.list_file_names(bucket.id_, start_after, limit, prefix)
-        entries = [
-            Listed(item["fileName"], int(item["contentLength"]), str(item["fileId"]))
-            for item in out["files"]
-            if item.get("action", "upload") == "upload"
-            and (start_after is None or item["fileName"] > start_after)  # start is inclusive
-        ]
-        return entries, out.get("nextFileName") is not None
+        entries: list[Listed] = []
+        start = start_after  # startFileName is inclusive: _after drops start_after itself
+        while True:  # B2 may answer with fewer files than asked for; follow nextFileName
+            out = bucket.api.session.list_file_names(bucket.id_, start, limit + 1, prefix)
+            entries.extend(
+                Listed(item["fileName"], int(item["contentLength"]), str(item["fileId"]))
+                for item in out["files"]
+                if item.get("action", "upload") == "upload"
+            )
+            start = out.get("nextFileName")
+            if start is None or len(entries) > limit:
+                return _after(entries, start_after, limit, start is not None)
+
+
+def _after(
+    entries: list[Listed], start_after: str | None, limit: int, more: bool
+) -> tuple[list[Listed], bool]:
+    """A page from a store whose start key is inclusive, cut to keys > start_after."""
+    if start_after is not None:
+        entries = [e for e in entries if e.key > start_after]
+    return entries[:limit], more or len(entries) > limit
 
 
 _LISTERS: dict[str, Callable[[Any, str], PageLister]] = {

@@ -21,7 +21,7 @@ from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from fastload._extras import import_extra
-from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError
+from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError, StoreError
 from fastload.stores._errors import translate
 
 __all__ = ["B2FileSystem"]
@@ -210,10 +210,17 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         start = start or 0
         if end is not None and end <= start:
             return b""
-        range_ = None if end is None else (start, end - 1)
         buffer = io.BytesIO()
-        with _translated(path):
-            self._bucket(bucket_name).download_file_by_name(key, range_=range_).save(buffer)
+        bucket = self._bucket(bucket_name)
+        try:
+            with _translated(path):
+                range_ = None if end is None else (start, end - 1)
+                bucket.download_file_by_name(key, range_=range_).save(buffer)
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, _b2.exception.InvalidRange):
+                raise
+            size = self.info(path)["size"]  # a range past the end reads to the end
+            return b"" if start >= size else self.cat_file(path, start, min(end or size, size))
         return buffer.getvalue()
 
     # -- writing -------------------------------------------------------------------------

@@ -197,12 +197,19 @@ class B2App:
     def _delete_bucket(self, token: str, p: dict[str, Any]) -> Any:
         return self.sim.delete_bucket(self.sim.API_URL, token, p["accountId"], p["bucketId"])
 
+    @staticmethod
+    def _start(p: dict[str, Any]) -> Any:
+        # The simulator stops at the first name outside the prefix, even one sorting before
+        # it, so a listing must start at the prefix (B2 itself seeks there).
+        start, prefix = p.get("startFileName"), p.get("prefix")
+        return prefix if prefix and (start is None or start < prefix) else start
+
     def _list_file_names(self, token: str, p: dict[str, Any]) -> Any:
         return self.sim.list_file_names(
             self.sim.API_URL,
             token,
             p["bucketId"],
-            p.get("startFileName"),
+            self._start(p),
             p.get("maxFileCount"),
             p.get("prefix"),
         )
@@ -212,7 +219,7 @@ class B2App:
             self.sim.API_URL,
             token,
             p["bucketId"],
-            p.get("startFileName"),
+            self._start(p),
             p.get("startFileId"),
             p.get("maxFileCount"),
             p.get("prefix"),

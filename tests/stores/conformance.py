@@ -1,0 +1,182 @@
+"""The store conformance suite: every store runs the same tests (directly and through faults).
+
+A subclass supplies a ``case`` fixture: where to write (directly) and how to read (possibly
+through the fault-injecting proxy). Test classes named ``Test*`` in test_conformance.py pick
+the mixins that apply to their store.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from fastload.errors import AccessDeniedError, ObjectNotFoundError
+from fastload.config import FetchConfig
+from fastload.fetch import Fetcher, Request
+from fastload.manifest import Manifest
+from fastload.stores import _listing, filesystem
+from fastload.testing import FaultProxy
+
+
+@dataclass
+class Case:
+    root: str  # URL of a fresh prefix for this test
+    write_options: Mapping[str, Any]
+    read_options: Mapping[str, Any]
+    proxy: FaultProxy | None = None
+    bad_secret: str | None = None  # the wrong secret in bad_options: never in errors
+    bad_options: Mapping[str, Any] = field(default_factory=dict)  # wrong credentials
+
+    def url(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def write(self, objects: Mapping[str, bytes]) -> None:
+        fs = filesystem(self.root, self.write_options)
+        base = fs._strip_protocol(self.root).rstrip("/")
+        paths = {f"{base}/{key}": data for key, data in objects.items()}
+        if self.root.startswith("file://"):  # local directories must exist before a write
+            for path in paths:
+                fs.makedirs(fs._parent(path), exist_ok=True)
+        fs.pipe(paths)
+
+    def delete(self, key: str) -> None:
+        fs = filesystem(self.root, self.write_options)
+        fs.rm_file(fs._strip_protocol(self.url(key)))
+
+
+def fresh(scheme_root: str) -> str:
+    return f"{scheme_root.rstrip('/')}/{uuid.uuid4().hex[:12]}"
+
+
+def payloads(n: int, seed: int, max_size: int = 200_000) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    sizes = [0, 1, max_size] + [rng.randrange(max_size) for _ in range(n - 3)]
+    return {f"obj/{i:04d}.bin": rng.randbytes(size) for i, size in enumerate(sizes)}
+
+
+KEY_SHAPES = [
+    *(f"img_{i:05d}.npy" for i in range(240)),
+    *(f"nested/{d}/part-{i}.bin" for d in "abc" for i in range(15)),
+    "a space.bin",
+    "ünïcode/ßtraße.bin",
+    "UPPER/Z.bin",
+    "x~tilde",
+    "zz/last",
+]
+
+
+class FetchConformance:
+    objects = 24
+    fetch_config = FetchConfig()
+
+    def fetcher(self, case: Case) -> Fetcher:
+        return Fetcher(case.read_options, self.fetch_config)
+
+    @pytest.fixture
+    def case(self) -> Iterator[Case]:
+        raise NotImplementedError
+
+    def test_fetch_returns_every_byte(self, case: Case) -> None:
+        data = payloads(self.objects, seed=1)
+        case.write(data)
+        fetcher = self.fetcher(case)
+        requests = [Request(case.url(k), size=len(v)) for k, v in data.items()]
+        assert fetcher.fetch(requests) == list(data.values())
+        stats = fetcher.stats
+        assert stats.objects == len(data)
+        assert stats.bytes == sum(map(len, data.values()))
+        assert stats.failures == 0
+        assert stats.latency.count == stats.objects
+        if case.proxy is not None:  # the faults really happened and were survived
+            counters = case.proxy.counters()
+            injected = counters["error_503"] + counters["reset"] + counters["truncate"]
+            assert injected > 0, counters
+
+    def test_byte_ranges(self, case: Case) -> None:
+        body = bytes(range(256)) * 40
+        case.write({"ranged.bin": body})
+        url = case.url("ranged.bin")
+        spans = [(10, 20), (0, None), (9000, None), (10_200, 10**9), (-7, None), (50, 50), (5, 3)]
+        got = self.fetcher(case).fetch([Request(url, a, b) for a, b in spans])
+        assert got == [body[a:b] for a, b in spans]
+
+    def test_missing_object_is_named(self, case: Case) -> None:
+        case.write({"present.bin": b"here"})
+        missing = case.url("absent.bin")
+        with pytest.raises(ObjectNotFoundError) as info:
+            self.fetcher(case).fetch([missing])
+        assert info.value.url == missing
+        assert missing in str(info.value)
+        results = self.fetcher(case).fetch(
+            [case.url("present.bin"), missing], return_exceptions=True
+        )
+        assert results[0] == b"here"
+        assert isinstance(results[1], ObjectNotFoundError)
+        assert isinstance(results[1], FileNotFoundError)
+
+
+class ManifestConformance:
+    @pytest.fixture
+    def small_pages(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Small pages make a few hundred keys take the same split paths as 100K would.
+        monkeypatch.setattr(_listing, "PAGE", 37)
+        monkeypatch.setattr(_listing, "PROBE", 6)
+
+    def test_parallel_listing_equals_find(self, case: Case, small_pages: None) -> None:
+        data = {key: os.urandom(len(key) % 5) for key in KEY_SHAPES}
+        case.write(data)
+        parallel = Manifest.build(case.root, storage_options=case.read_options)
+        serial = Manifest.build(case.root, storage_options=case.read_options, parallel=False)
+        assert parallel.keys() == sorted(data) == serial.keys()
+        assert parallel.sizes.tolist() == [len(data[k]) for k in sorted(data)]
+        assert all(entry.version for entry in parallel)
+        assert parallel[0].url == case.url(parallel[0].key)
+
+    def test_refresh_counts_changes(self, case: Case) -> None:
+        case.write({"a": b"1", "b": b"22", "c": b"333"})
+        before = Manifest.build(case.root, storage_options=case.read_options)
+        assert not before.refresh(storage_options=case.read_options).any
+        case.delete("a")
+        case.write({"b": b"changed", "d": b"4"})
+        changes = before.refresh(storage_options=case.read_options)
+        assert (changes.added, changes.removed, changes.changed) == (1, 1, 1)
+        assert changes.manifest.fingerprint != before.fingerprint
+        assert changes.manifest.keys() == ["b", "c", "d"]
+
+    def test_empty_prefix_is_an_error_naming_it(self, case: Case) -> None:
+        empty = case.url("nothing-here")
+        with pytest.raises(ObjectNotFoundError, match="nothing-here"):
+            Manifest.build(empty, storage_options=case.read_options)
+
+
+class BucketConformance:
+    """Stores with buckets."""
+
+    def test_missing_bucket(self, case: Case) -> None:
+        scheme = case.root.split("://")[0]
+        url = f"{scheme}://no-such-bucket-{uuid.uuid4().hex[:8]}/key"
+        with pytest.raises(ObjectNotFoundError, match="no-such-bucket"):
+            Fetcher(case.read_options).fetch([url])
+        with pytest.raises(ObjectNotFoundError, match="no-such-bucket"):
+            Manifest.build(url.rsplit("/", 1)[0], storage_options=case.read_options)
+
+
+
+class CredentialConformance:
+    """Stores that check credentials."""
+
+    def test_wrong_credentials_never_leak(self, case: Case) -> None:
+        case.write({"secret.bin": b"s"})
+        with pytest.raises(AccessDeniedError) as info:
+            Fetcher(case.bad_options).fetch([case.url("secret.bin")])
+        with pytest.raises(AccessDeniedError) as listing:
+            Manifest.build(case.root, storage_options=case.bad_options)
+        for error in (info.value, listing.value):
+            assert case.bad_secret and case.bad_secret not in str(error)
+            assert case.bad_secret not in repr(error)

@@ -1,0 +1,148 @@
+"""Every store through the same conformance suite, directly and through the fault proxy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
+from tests.conftest import BUCKET
+from fastload.config import FetchConfig
+from tests.stores.conformance import (
+    BucketConformance,
+    Case,
+    CredentialConformance,
+    FetchConformance,
+    ManifestConformance,
+    fresh,
+)
+
+BAD_SECRET = "wrong-secret-0b7e"
+# The issue's fault mix: 5% 503, 2% resets, 2% truncated bodies (every byte must still match).
+FAULTS = Faults(error_503=0.05, reset=0.02, truncate=0.02, seed=7)
+
+
+def s3_case(server: S3Server, proxy: FaultProxy | None = None) -> Case:
+    endpoint = proxy.endpoint if proxy else None
+    return Case(
+        root=fresh(f"s3://{BUCKET}"),
+        write_options=server.storage_options(),
+        read_options=server.storage_options(endpoint),
+        proxy=proxy,
+        bad_secret=BAD_SECRET,
+        bad_options={**server.storage_options(), "secret": BAD_SECRET},
+    )
+
+
+def gcs_case(server: FakeGcsServer, proxy: FaultProxy | None = None) -> Case:
+    return Case(
+        root=fresh(f"gs://{BUCKET}"),
+        write_options=server.storage_options(),
+        read_options=server.storage_options(proxy.endpoint if proxy else None),
+        proxy=proxy,
+    )
+
+
+def b2_case(server: B2Server, proxy: FaultProxy | None = None) -> Case:
+    return Case(
+        root=fresh(f"b2://{BUCKET}"),
+        write_options=server.storage_options(),
+        read_options=server.storage_options(proxy.endpoint if proxy else None),
+        proxy=proxy,
+        bad_secret=BAD_SECRET,
+        bad_options={**server.storage_options(), "key": BAD_SECRET},
+    )
+
+
+class TestSeaweedS3(
+    FetchConformance, ManifestConformance, BucketConformance, CredentialConformance
+):
+    @pytest.fixture
+    def case(self, seaweed: S3Server) -> Case:
+        return s3_case(seaweed)
+
+
+class TestSeaweedS3GeneralPath(FetchConformance):
+    """The s3fs path, with the obstore fast path off."""
+
+    fetch_config = FetchConfig(fast_path=False)
+
+    @pytest.fixture
+    def case(self, seaweed: S3Server) -> Case:
+        return s3_case(seaweed)
+
+
+class TestMotoS3(FetchConformance, ManifestConformance, BucketConformance):
+    # moto's server does not check signatures, so the credential test cannot apply.
+    @pytest.fixture
+    def case(self, moto: S3Server) -> Case:
+        return s3_case(moto)
+
+
+class TestFakeGcs(FetchConformance, ManifestConformance, BucketConformance):
+    # fake-gcs-server accepts any credentials, so the credential test cannot apply.
+    @pytest.fixture
+    def case(self, gcs: FakeGcsServer) -> Case:
+        return gcs_case(gcs)
+
+
+class TestB2(FetchConformance, ManifestConformance, BucketConformance, CredentialConformance):
+    @pytest.fixture
+    def case(self, b2: B2Server) -> Case:
+        return b2_case(b2)
+
+
+class TestLocalFiles(FetchConformance, ManifestConformance):
+    @pytest.fixture
+    def case(self, tmp_path: Path) -> Case:
+        return Case(root=f"file://{tmp_path}", write_options={}, read_options={})
+
+
+class TestMemory(FetchConformance, ManifestConformance):
+    @pytest.fixture
+    def case(self) -> Case:
+        return Case(root=fresh("memory://conformance"), write_options={}, read_options={})
+
+
+# -- the same suites through the fault proxy ---------------------------------------------------
+
+
+class TestSeaweedS3Faults(FetchConformance, ManifestConformance):
+    objects = 120
+
+    @pytest.fixture
+    def case(self, seaweed: S3Server) -> Iterator[Case]:
+        with FaultProxy(seaweed.endpoint, flavor="s3", faults=FAULTS) as proxy:
+            yield s3_case(seaweed, proxy)
+
+
+class TestSeaweedS3FaultsGeneralPath(FetchConformance):
+    """The s3fs path (obstore fast path off) through the same faults."""
+
+    objects = 120
+    fetch_config = FetchConfig(fast_path=False)
+
+    @pytest.fixture
+    def case(self, seaweed: S3Server) -> Iterator[Case]:
+        with FaultProxy(seaweed.endpoint, flavor="s3", faults=FAULTS) as proxy:
+            yield s3_case(seaweed, proxy)
+
+
+class TestFakeGcsFaults(FetchConformance, ManifestConformance):
+    objects = 120
+
+    @pytest.fixture
+    def case(self, gcs: FakeGcsServer) -> Iterator[Case]:
+        with FaultProxy(gcs.endpoint, flavor="gcs", faults=FAULTS) as proxy:
+            yield gcs_case(gcs, proxy)
+
+
+class TestB2Faults(FetchConformance, ManifestConformance):
+    objects = 120
+
+    @pytest.fixture
+    def case(self, b2: B2Server) -> Iterator[Case]:
+        with FaultProxy(b2.endpoint, flavor="b2", faults=FAULTS) as proxy:
+            yield b2_case(b2, proxy)
