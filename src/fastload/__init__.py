@@ -11,6 +11,9 @@ from fastload.errors import (
     StoreError,
     TransientStoreError,
 )
+from fastload.config import FetchConfig
+from fastload.fetch import Fetcher, Request, fetch
+from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.sampler import PermutationSampler, WeightedSampler
 
 __version__ = "0.1.0"
@@ -18,12 +21,19 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "ConfigError",
+    "Entry",
     "FastloadError",
+    "FetchConfig",
+    "Fetcher",
+    "Manifest",
+    "ManifestChanges",
     "MissingExtraError",
     "ObjectNotFoundError",
     "PermutationSampler",
+    "Request",
     "StoreError",
     "TransientStoreError",
     "WeightedSampler",
     "__version__",
+    "fetch",
 ]

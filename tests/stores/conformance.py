@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from fastload.errors import AccessDeniedError, ObjectNotFoundError
 from fastload.config import FetchConfig
+from fastload.errors import AccessDeniedError, ObjectNotFoundError
 from fastload.fetch import Fetcher, Request
 from fastload.manifest import Manifest
 from fastload.stores import _listing, filesystem
@@ -165,7 +165,6 @@ class BucketConformance:
             Fetcher(case.read_options).fetch([url])
         with pytest.raises(ObjectNotFoundError, match="no-such-bucket"):
             Manifest.build(url.rsplit("/", 1)[0], storage_options=case.read_options)
-
 
 
 class CredentialConformance:

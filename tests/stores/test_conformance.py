@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from fastload.config import FetchConfig
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
-from fastload.config import FetchConfig
 from tests.stores.conformance import (
     BucketConformance,
     Case,

@@ -132,11 +132,19 @@ def _create(scheme: str, options: dict[str, Any]) -> AbstractFileSystem:
     else:
         module = import_extra(backend.module, extra=backend.extra, feature=f"{scheme}:// URLs")
     cls = getattr(module, backend.attr)
-    if scheme == "s3":  # botocore's default pool (10 connections) would cap concurrency
-        config_kwargs = {"max_pool_connections": 256, **options.get("config_kwargs", {})}
+    if scheme == "s3":
+        # botocore's default pool (10 connections) would cap concurrency, and fastload retries
+        # with its own policy: s3fs's and botocore's retries under it would multiply the wait.
+        config_kwargs = {
+            "max_pool_connections": 256,
+            "retries": {"max_attempts": 1, "mode": "standard"},
+            **options.get("config_kwargs", {}),
+        }
         options = {**options, "config_kwargs": config_kwargs}
     try:
         fs: AbstractFileSystem = cls(skip_instance_cache=True, **options)
     except TypeError as exc:
         raise ConfigError(f"bad storage_options for {scheme}://: {exc}") from exc
+    if scheme == "s3":
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
     return fs

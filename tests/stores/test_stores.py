@@ -1,0 +1,179 @@
+"""URL parsing, per-process filesystems, error translation, and the b2:// fsspec filesystem."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+from typing import Any
+
+import fsspec
+import pytest
+
+from fastload.errors import (
+    AccessDeniedError,
+    ConfigError,
+    MissingExtraError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+from fastload.stores import SCHEMES, Kind, _Backend, classify, filesystem, parse_url, translate
+from fastload.testing import B2Server
+from tests.conftest import BUCKET
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme", "path"),
+    [
+        ("s3://bucket/key/x.npy", "s3", "bucket/key/x.npy"),
+        ("S3://bucket", "s3", "bucket"),
+        ("gs://b/k", "gs", "b/k"),
+        ("b2://b/k", "b2", "b/k"),
+        ("memory://a/b", "memory", "/a/b"),
+        ("file:///tmp/x", "file", "/tmp/x"),
+    ],
+)
+def test_parse_url(url: str, scheme: str, path: str) -> None:
+    parsed = parse_url(url)
+    assert (parsed.scheme, parsed.path) == (scheme, path)
+
+
+def test_bare_paths_are_local_files(tmp_path: Any) -> None:
+    assert parse_url(str(tmp_path)).scheme == "file"
+    assert str(parse_url(tmp_path)) == f"file://{tmp_path}"
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("ftp://host/x", "unknown URL scheme 'ftp'"),
+        ("s3://", "malformed URL"),
+        ("s3:///key", "malformed URL"),
+        ("s3://bucket//key", "malformed URL"),
+        ("c:thing", "malformed URL"),
+        ("", "non-empty URL"),
+    ],
+)
+def test_bad_urls_are_config_errors_naming_the_url(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_url(url)
+
+
+def test_missing_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SCHEMES, "s3", _Backend("fastload_no_such_module", "s3", "X"))
+    with pytest.raises(MissingExtraError, match=r"pip install 'fastload\[s3\]'"):
+        filesystem("s3://bucket/key", {"anon": True, "uncached": 1})
+
+
+def test_filesystems_are_cached_per_scheme_and_options() -> None:
+    assert filesystem("s3://a", {"anon": True}) is filesystem("s3://b", {"anon": True})
+    assert filesystem("s3://a", {"anon": True}) is not filesystem("s3://a", {"anon": False})
+
+
+def _child_filesystem_id(queue: Any) -> None:
+    queue.put(id(filesystem("s3://bucket", {"anon": True})))
+
+
+def test_a_forked_child_gets_its_own_filesystem() -> None:
+    parent = filesystem("s3://bucket", {"anon": True})
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_filesystem_id, args=(queue,))
+    child.start()
+    child_id = queue.get(timeout=60)
+    child.join(60)
+    # The parent's object is inherited at the same address; the child must build a new one.
+    assert child_id != id(parent)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (FileNotFoundError("x"), Kind.NOT_FOUND),
+        (PermissionError("x"), Kind.DENIED),
+        (ConnectionResetError("x"), Kind.TRANSIENT),
+        (TimeoutError("x"), Kind.TRANSIENT),
+        (ValueError("x"), Kind.OTHER),
+    ],
+)
+def test_classify_builtins(error: Exception, kind: Kind) -> None:
+    assert classify(error) is kind
+
+
+def test_classify_follows_the_cause_chain() -> None:
+    try:
+        try:
+            raise ConnectionResetError("reset")
+        except ConnectionResetError as inner:
+            raise OSError(5, "wrapped") from inner
+    except OSError as outer:
+        assert classify(outer) is Kind.TRANSIENT
+
+
+def test_classify_botocore_and_obstore_shapes() -> None:
+    from botocore.exceptions import ClientError
+
+    slow = ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {}}, "GetObject")
+    denied = ClientError({"Error": {"Code": "AccessDenied"}}, "GetObject")
+    assert classify(slow) is Kind.TRANSIENT
+    assert classify(denied) is Kind.DENIED
+    generic = type("GenericError", (Exception,), {})
+    assert classify(generic("non-2xx status code: 503 Service Unavailable")) is Kind.TRANSIENT
+    assert classify(generic("HTTP error: error sending request")) is Kind.TRANSIENT
+    assert classify(generic("something else")) is Kind.OTHER
+
+
+def test_translated_errors_are_builtins_and_pickle() -> None:
+    error = translate(ConnectionResetError("boom"), "s3://b/k")
+    assert isinstance(error, TransientStoreError)
+    assert isinstance(error, ConnectionError)
+    clone = pickle.loads(pickle.dumps(error))
+    assert type(clone) is TransientStoreError
+    assert clone.url == "s3://b/k"
+    assert isinstance(translate(FileNotFoundError(), "u"), ObjectNotFoundError)
+    assert isinstance(translate(PermissionError(), "u"), AccessDeniedError)
+    assert type(translate(ValueError(), "u")) is StoreError
+
+
+# -- the b2:// fsspec filesystem ----------------------------------------------------------
+
+
+def test_b2_through_plain_fsspec(b2: B2Server) -> None:
+    options = b2.storage_options()
+    base = f"b2://{BUCKET}/fsspec-plain"
+    with fsspec.open(f"{base}/dir/hello.txt", "wb", **options) as out:
+        out.write(b"hello b2")
+    big = bytes(range(256)) * (24 * 1024)  # 6 MiB: more than one 5 MB part
+    with fsspec.open(f"{base}/big.bin", "wb", **options) as out:
+        out.write(big)
+    fs, path = fsspec.core.url_to_fs(base, **options)
+    assert type(fs).__name__ == "B2FileSystem"
+    assert fs.find(path) == [f"{path}/big.bin", f"{path}/dir/hello.txt"]
+    assert fs.ls(path, detail=False) == [f"{path}/big.bin", f"{path}/dir"]
+    assert fs.info(f"{path}/dir")["type"] == "directory"
+    info = fs.info(f"{path}/big.bin")
+    assert (info["size"], info["type"]) == (len(big), "file")
+    assert info["version"]
+    assert fs.cat_file(f"{path}/big.bin", 100, 200) == big[100:200]
+    with fsspec.open(f"{base}/big.bin", "rb", **options) as f:
+        f.seek(5 * 2**20)
+        assert f.read(10) == big[5 * 2**20 : 5 * 2**20 + 10]
+    fs.rm(path, recursive=True)
+    assert fs.find(path) == []
+    with pytest.raises(FileNotFoundError):
+        fs.info(f"{path}/big.bin")
+
+
+def test_b2_credentials_from_environment(b2: B2Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("B2_APPLICATION_KEY_ID", b2.key_id)
+    monkeypatch.setenv("B2_APPLICATION_KEY", b2.key)
+    fs = fsspec.filesystem("b2", realm=b2.endpoint, skip_instance_cache=True)
+    assert BUCKET in fs.ls("", detail=False)
+    assert b2.key not in repr(fs)
+
+
+def test_b2_without_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("B2_APPLICATION_KEY_ID", raising=False)
+    monkeypatch.delenv("B2_APPLICATION_KEY", raising=False)
+    with pytest.raises(AccessDeniedError, match="B2_APPLICATION_KEY_ID"):
+        fsspec.filesystem("b2", skip_instance_cache=True)

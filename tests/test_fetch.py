@@ -1,0 +1,126 @@
+"""fastload.fetch: retries, timeouts, hedging and counters against a real server and proxy."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fastload.config import FetchConfig
+from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
+from fastload.fetch import Fetcher, Request, fetch
+from fastload.stores import filesystem
+from fastload.testing import FaultProxy, Faults, S3Server
+from tests.conftest import BUCKET
+
+
+@pytest.fixture
+def objects(seaweed: S3Server) -> dict[str, bytes]:
+    prefix = f"{BUCKET}/fetch-{uuid.uuid4().hex[:8]}"
+    data = {f"s3://{prefix}/{i:03d}": os.urandom(1000 + i) for i in range(16)}
+    filesystem("s3://x", seaweed.storage_options()).pipe(
+        {url.removeprefix("s3://"): body for url, body in data.items()}
+    )
+    return data
+
+
+@pytest.fixture
+def proxy(seaweed: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(seaweed.endpoint, flavor="s3") as running:
+        yield running
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_retries_run_out_into_a_named_transient_error(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes], fast_path: bool
+) -> None:
+    proxy.set_faults(Faults(error_503=1.0))
+    url = next(iter(objects))
+    fetcher = Fetcher(
+        seaweed.storage_options(proxy.endpoint), FetchConfig(retries=2, fast_path=fast_path)
+    )
+    with pytest.raises(TransientStoreError) as info:
+        fetcher.fetch([url])
+    assert info.value.url == url
+    assert fetcher.stats.retries == 2
+    assert fetcher.stats.failures == 1
+    assert proxy.counters()["error_503"] >= 3  # s3fs adds its own retries under ours
+
+
+def test_a_stalled_request_times_out_and_is_retried(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0))
+    url = next(iter(objects))
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(timeout=0.3, retries=1))
+    with pytest.raises(TransientStoreError, match=r"no answer within 0\.3 s"):
+        fetcher.fetch([url])
+    assert fetcher.stats.requests == 2
+
+
+def test_hedged_requests_beat_the_slow_tail(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    proxy.set_faults(Faults(stall=0.3, stall_seconds=2.0, seed=3))
+    config = FetchConfig(hedge_after=0.25, timeout=30)
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), config)
+    assert fetcher.fetch(list(objects)) == list(objects.values())
+    stats = fetcher.stats
+    assert stats.hedges >= 1
+    assert stats.hedge_wins >= 1
+    assert stats.retries == 0
+    assert stats.requests == len(objects) + stats.hedges
+
+
+def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"12345")
+    fetcher = Fetcher(config=FetchConfig(retries=1, backoff=0.001))
+    with pytest.raises(TransientStoreError, match=r"truncated body \(5 of 9 bytes\)"):
+        fetcher.fetch([Request(str(path), size=9)])
+    assert fetcher.stats.retries == 1
+    assert fetcher.fetch([Request(str(path), 1, 3, size=5)]) == [b"23"]
+
+
+def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path) -> None:
+    for i in range(50):
+        (tmp_path / f"{i}.bin").write_bytes(str(i).encode())
+    urls = [str(tmp_path / f"{i}.bin") for i in range(50)]
+    urls.insert(7, str(tmp_path / "missing.bin"))
+    results = fetch(urls, config=FetchConfig(concurrency=4), return_exceptions=True)
+    assert isinstance(results.pop(7), ObjectNotFoundError)
+    assert results == [str(i).encode() for i in range(50)]
+
+
+def test_stats_snapshot_reports_latency_percentiles(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"a")
+    fetcher = Fetcher()
+    fetcher.fetch([str(tmp_path / "a")] * 10)
+    snap = fetcher.stats.snapshot()
+    assert snap["objects"] == 10
+    assert snap["bytes"] == 10
+    assert 0 < snap["latency_p50_ms"] <= snap["latency_p99_ms"]
+
+
+def test_bad_items_and_config_are_typed_errors() -> None:
+    with pytest.raises(ConfigError, match="fetch expects URLs"):
+        Fetcher().fetch([42])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"FetchConfig\.concurrency must be >= 1, got 0"):
+        FetchConfig(concurrency=0)
+    with pytest.raises(ConfigError, match=r"FetchConfig\.hedge_after"):
+        FetchConfig(hedge_after=-1)
+    with pytest.raises(ConfigError, match=r"FetchConfig\.retries"):
+        FetchConfig(retries=True)
+
+
+def test_config_from_environment() -> None:
+    env = {"FASTLOAD_FETCH_CONCURRENCY": "8", "FASTLOAD_FETCH_HEDGE_AFTER": "0.5"}
+    assert FetchConfig.from_env(env) == FetchConfig(concurrency=8, hedge_after=0.5)
+    assert FetchConfig.from_env({"FASTLOAD_FETCH_FAST_PATH": "false"}).fast_path is False
+    with pytest.raises(ConfigError, match="FASTLOAD_FETCH_TIMEOUT='soon'"):
+        FetchConfig.from_env({"FASTLOAD_FETCH_TIMEOUT": "soon"})
+    with pytest.raises(ConfigError, match=r"FetchConfig\.timeout"):
+        FetchConfig.from_env({"FASTLOAD_FETCH_TIMEOUT": "-1"})

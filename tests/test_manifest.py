@@ -1,0 +1,191 @@
+"""Manifest: persistence, derived manifests, labels, bad input, and rank-0 listing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastload.errors import ConfigError, ObjectNotFoundError
+from fastload.manifest import Manifest
+from fastload.testing import free_port
+
+
+def synthetic(n: int, root: str = "s3://bucket/data") -> Manifest:
+    keys = [f"class{i % 3}/img_{i:07d}.jpg" for i in range(n)]
+    return Manifest(root, keys, [i * 7 for i in range(n)], [f"etag{i:x}" for i in range(n)])
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    manifest = synthetic(10_000).with_labels(
+        {f"class{i % 3}/img_{i:07d}.jpg": i % 3 for i in range(10_000)}
+    )
+    manifest.save(tmp_path / "m.npz")
+    loaded = Manifest.load(tmp_path / "m.npz", url="s3://bucket/data/")
+    assert loaded.fingerprint == manifest.fingerprint
+    assert loaded.keys() == manifest.keys()
+    assert loaded[1234] == manifest[1234]
+    assert loaded[-1].url == "s3://bucket/data/class0/img_0009999.jpg"
+    assert loaded.labels is not None and loaded.labels.tolist() == manifest.labels.tolist()  # type: ignore[union-attr]
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed away
+
+
+def test_entries_and_slices() -> None:
+    manifest = synthetic(10)
+    entry = manifest[3]
+    assert (entry.key, entry.size, entry.version, entry.label) == (
+        "class0/img_0000003.jpg",
+        21,
+        "etag3",
+        None,
+    )
+    assert len(manifest[2:5]) == 3
+    assert manifest[2:5][0] == manifest[2]
+    assert manifest.total_bytes == sum(i * 7 for i in range(10))
+    with pytest.raises(IndexError, match="index 10 out of range for 10"):
+        manifest[10]
+
+
+def test_fingerprint_changes_with_any_listed_field() -> None:
+    base = synthetic(5)
+    assert base.fingerprint == synthetic(5).fingerprint
+    keys, sizes, versions = base.keys(), base.sizes.tolist(), [e.version for e in base]
+    assert Manifest(base.root, keys, [*sizes[:-1], 1], versions).fingerprint != base.fingerprint
+    assert Manifest(base.root, keys, sizes, [*versions[:-1], "x"]).fingerprint != base.fingerprint
+    assert Manifest("s3://other/data", keys, sizes, versions).fingerprint != base.fingerprint
+
+
+def test_subset_is_deterministic_and_ordered() -> None:
+    manifest = synthetic(1000)
+    a, b = manifest.subset(100, seed=5), manifest.subset(100, seed=5)
+    assert a.keys() == b.keys()
+    position = {key: i for i, key in enumerate(manifest.keys())}
+    chosen = [position[k] for k in a.keys()]  # noqa: SIM118  (a list, not a dict)
+    assert chosen == sorted(chosen)
+    assert manifest.subset(100, seed=6).keys() != a.keys()
+    with pytest.raises(ConfigError, match=r"subset n must be an int in \[0, 1000\]"):
+        manifest.subset(1001)
+
+
+def test_filter_by_pattern_and_predicate() -> None:
+    manifest = synthetic(30)
+    assert len(manifest.filter(pattern="class1/*")) == 10
+    assert len(manifest.filter(lambda e: e.size > 100, pattern="class1/*")) == 5
+
+
+def test_labels_from_csv_json_and_full_urls(tmp_path: Path) -> None:
+    manifest = synthetic(6)
+    csv_path = tmp_path / "labels.csv"
+    csv_path.write_text(
+        "key,label\n" + "".join(f"{k},{k.split('/')[0]}\n" for k in manifest.keys())  # noqa: SIM118
+    )
+    by_csv = manifest.with_labels(csv_path)
+    assert by_csv.classes == ("class0", "class1", "class2")
+    assert [e.label for e in by_csv] == [0, 1, 2, 0, 1, 2]
+    json_path = tmp_path / "labels.json"
+    json_path.write_text(json.dumps({manifest.url(k): i for i, k in enumerate(manifest.keys())}))
+    by_json = manifest.with_labels(json_path)
+    assert by_json.classes is None
+    assert [e.label for e in by_json] == list(range(6))
+
+
+def test_missing_labels(tmp_path: Path) -> None:
+    manifest = synthetic(4)
+    partial = {manifest[0].key: 1, manifest[2].key: 0}
+    with pytest.raises(ConfigError, match="2 of 4 objects under s3://bucket/data have no label"):
+        manifest.with_labels(partial)
+    assert manifest.with_labels(partial, missing="drop").keys() == [
+        manifest[0].key,
+        manifest[2].key,
+    ]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,cls\na,1\n")
+    with pytest.raises(ConfigError, match="needs 'key' and 'label' fields"):
+        manifest.with_labels(bad)
+
+
+def test_loading_something_else_is_a_config_error(tmp_path: Path) -> None:
+    other = tmp_path / "other.npz"
+    np.savez(other, meta=np.frombuffer(b'{"format": "x"}', dtype=np.uint8))
+    with pytest.raises(ConfigError, match="not a fastload-manifest/1 file"):
+        Manifest.load(other)
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="not a readable fastload manifest"):
+        Manifest.load(junk)
+    with pytest.raises(FileNotFoundError):
+        Manifest.load(tmp_path / "absent.npz")
+
+
+def test_a_manifest_of_another_dataset_is_refused(tmp_path: Path) -> None:
+    synthetic(3).save(tmp_path / "m.npz")
+    with pytest.raises(ConfigError, match="lists s3://bucket/data, not s3://bucket/other"):
+        Manifest.load(tmp_path / "m.npz", url="s3://bucket/other")
+
+
+def test_corruption_is_detected(tmp_path: Path) -> None:
+    manifest = synthetic(100)
+    manifest.save(tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as data:
+        arrays = dict(data)
+    arrays["sizes"] = arrays["sizes"] + 1
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ConfigError, match="fingerprint mismatch"):
+        Manifest.load(tmp_path / "bad.npz")
+
+
+def test_build_on_local_files_with_a_pattern(tmp_path: Path) -> None:
+    for name in ["a.npy", "b.npy", "sub/c.npy", "notes.txt"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    manifest = Manifest.build(str(tmp_path), pattern="*.npy")
+    assert manifest.keys() == ["a.npy", "b.npy", "sub/c.npy"]
+    assert manifest.sizes.tolist() == [5, 5, 9]
+    with pytest.raises(ObjectNotFoundError, match=r"matching '\*.csv'"):
+        Manifest.build(str(tmp_path), pattern="*.csv")
+
+
+def _rank(rank: int, world: int, port: int, root: str, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if rank != 0:  # a rank other than 0 that tried to list would fail loudly
+            import fastload.manifest as module
+
+            def no_listing(*args: Any, **kwargs: Any) -> Any:
+                raise AssertionError(f"rank {rank} listed the store")
+
+            module.filesystem = no_listing  # type: ignore[assignment]
+        manifest = Manifest.build(root)
+        out[rank] = manifest.fingerprint
+        try:
+            Manifest.build(root + "/missing")
+        except ObjectNotFoundError as exc:
+            out[f"error{rank}"] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_zero_lists_and_broadcasts(tmp_path: Path) -> None:
+    for i in range(20):
+        (tmp_path / f"{i}.bin").write_bytes(b"x" * i)
+    expected = Manifest.build(str(tmp_path)).fingerprint
+    manager = mp.get_context("spawn").Manager()
+    try:
+        out = manager.dict()
+        mp.start_processes(
+            _rank, args=(2, free_port(), str(tmp_path), out), nprocs=2, start_method="spawn"
+        )
+        result = dict(out)
+    finally:
+        manager.shutdown()
+    assert result[0] == result[1] == expected
+    # the listing error reached every rank (no rank is left waiting for a broadcast)
+    assert result["error0"] == result["error1"]
+    assert "missing" in result["error1"]
