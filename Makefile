@@ -18,7 +18,7 @@ help:
 	@echo "make lint   - ruff + mypy --strict"
 	@echo "make bench  - benchmarks (writes benchmarks/results and docs/benchmarks.md)"
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
 		|| { echo "fastload needs Python >= 3.10 as '$(PYTHON)' (set PYTHON=...)"; exit 2; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
@@ -26,6 +26,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) torch
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -e ".[dev]"
+	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/bench.txt
 	@touch $@
 
 env: $(VENV)/.installed

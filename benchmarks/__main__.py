@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import sampler
+from benchmarks import sampler, stores
 
-SCENARIOS = {"sampler": sampler.run}
+SCENARIOS = {"sampler": sampler.run, "fetch": stores.run_fetch, "manifest": stores.run_manifest}
 RESULTS = Path(__file__).with_name("results")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import sampler
+from benchmarks import sampler, stores
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -18,3 +18,16 @@ def test_sampler_benchmark_measures_every_field() -> None:
     } <= ours.keys()
     assert {"first_index_ms", "extra_rss_mib", "iter_M_per_s", "epoch_M_per_s"} <= theirs.keys()
     assert all(value > 0 for key, value in ours.items() if key.endswith(("_ms", "_per_s")))
+
+
+def test_fetch_benchmark_compares_every_client() -> None:
+    rows = stores.fetch_rows(40, 1, progress=lambda _: None)
+    assert len(rows) == 5
+    assert all(row["GETs/s (median)"] > 0 for row in rows)
+    assert max(row["vs best s3fs"] for row in rows if row["client"].startswith("s3fs")) == 1
+
+
+def test_manifest_benchmark_lists_and_persists() -> None:
+    rows = stores.manifest_rows(1000, 300, 1, progress=lambda _: None)
+    assert [row["seconds"] > 0 for row in rows] == [True] * 4
+    assert rows[-1]["speed-up"] > 0

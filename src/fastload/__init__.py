@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fastload.config import FetchConfig
 from fastload.errors import (
     AccessDeniedError,
     ConfigError,
@@ -11,7 +12,6 @@ from fastload.errors import (
     StoreError,
     TransientStoreError,
 )
-from fastload.config import FetchConfig
 from fastload.fetch import Fetcher, Request, fetch
 from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.sampler import PermutationSampler, WeightedSampler

@@ -111,3 +111,23 @@ async def read(store: Any, key: str, start: int | None, end: int | None) -> byte
     if end <= begin:
         return b""
     return bytes(await obstore.get_range_async(store, key, start=begin, end=end))
+
+
+async def list_page(
+    store: Any, scope: str, start_after: str | None, limit: int
+) -> tuple[list[tuple[str, int, str]], bool]:
+    """Up to ``limit`` (key, size, etag) under the key prefix ``scope``, all > ``start_after``.
+
+    obstore lists whole path segments, so it is asked for the enclosing "directory" and the
+    keys outside ``scope`` are cut off here (cheap: obstore parses a page in Rust).
+    """
+    obstore = _obstore()
+    directory = scope.rsplit("/", 1)[0] if "/" in scope else None
+    stream = obstore.list(store, directory, offset=start_after, chunk_size=limit)
+    try:
+        chunk = await stream.__anext__()
+    except StopAsyncIteration:
+        return [], False
+    rows = [(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
+    inside = [row for row in rows if row[0].startswith(scope)]
+    return inside, len(inside) == len(rows) == limit

