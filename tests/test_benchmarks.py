@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from benchmarks import sampler, stores
 
 
@@ -20,6 +21,7 @@ def test_sampler_benchmark_measures_every_field() -> None:
     assert all(value > 0 for key, value in ours.items() if key.endswith(("_ms", "_per_s")))
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 workers, 2 CPUs
 def test_fetch_benchmark_compares_every_client() -> None:
     rows = stores.fetch_rows(40, 1, progress=lambda _: None)
     assert len(rows) == 5

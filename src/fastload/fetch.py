@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +25,7 @@ from fastload.config import FetchConfig
 from fastload.errors import ConfigError, TransientStoreError
 from fastload.stats import FetchStats
 from fastload.stores import StoreURL, _fast, fast_reader, filesystem, parse_url, translate
+from fastload.stores._perprocess import PerProcessCache
 from fastload.stores._retry import retrying
 
 __all__ = ["Fetcher", "Request", "fetch"]
@@ -64,6 +63,12 @@ class _Target:
     key: str  # the object key within the bucket (for the fast path)
 
 
+# Blocking stores (b2://, file://) run on threads shared by every Fetcher in the process, so
+# their clients' per-thread connections live as long as the process instead of leaking with
+# short-lived threads.
+_pools: PerProcessCache[int, ThreadPoolExecutor] = PerProcessCache()
+
+
 def _as_request(item: str | Request) -> Request:
     if isinstance(item, Request):
         return item
@@ -86,9 +91,6 @@ class Fetcher:
         self.storage_options = dict(storage_options or {})
         self.config = config or FetchConfig()
         self.stats = FetchStats()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = -1
-        self._lock = threading.Lock()
 
     def fetch(
         self, items: Sequence[str | Request], *, return_exceptions: bool = False
@@ -116,13 +118,8 @@ class Fetcher:
         return _Target(fs, fs._strip_protocol(str(parsed)), request.url, fast, parsed.key)
 
     def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(
-                    self.config.concurrency, thread_name_prefix="fastload-fetch"
-                )
-                self._pool_pid = os.getpid()
-            return self._pool
+        width = self.config.concurrency
+        return _pools.get(width, lambda: ThreadPoolExecutor(width, "fastload-fetch"))
 
     async def _run(
         self,
@@ -219,18 +216,6 @@ class Fetcher:
         self.stats.latency.add(time.perf_counter() - started)
         return data
 
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None and self._pool_pid == os.getpid():
-                self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
-    def __enter__(self) -> Fetcher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def fetch(
     items: Sequence[str | Request],
@@ -240,5 +225,4 @@ def fetch(
     return_exceptions: bool = False,
 ) -> list[Any]:
     """Read ``items`` concurrently (see :class:`Fetcher`); bodies in the order given."""
-    with Fetcher(storage_options, config) as fetcher:
-        return fetcher.fetch(items, return_exceptions=return_exceptions)
+    return Fetcher(storage_options, config).fetch(items, return_exceptions=return_exceptions)
