@@ -215,7 +215,11 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         try:
             with _translated(path):
                 range_ = None if end is None else (start, end - 1)
-                bucket.download_file_by_name(key, range_=range_).save(buffer)
+                downloaded = bucket.download_file_by_name(key, range_=range_)
+                try:
+                    downloaded.save(buffer)
+                finally:  # a body cut short must not leave its connection to the GC
+                    downloaded.response.close()
         except StoreError as exc:
             if not isinstance(exc.__cause__, _b2.exception.InvalidRange):
                 raise
