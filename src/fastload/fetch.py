@@ -103,18 +103,24 @@ class Fetcher:
         requests = [_as_request(item) for item in items]
         if not requests:
             return []
-        targets = [self._target(r) for r in requests]
+        clients: dict[tuple[str, str], tuple[AbstractFileSystem, Any]] = {}
+        targets = [self._target(r, clients) for r in requests]
         loop = fsspec.asyn.get_loop()  # the IO loop s3fs and gcsfs run on by default
         results: list[Any] = fsspec.asyn.sync(loop, self._run, requests, targets, return_exceptions)
         return results
 
-    def _target(self, request: Request) -> _Target:
+    def _target(
+        self, request: Request, clients: dict[tuple[str, str], tuple[AbstractFileSystem, Any]]
+    ) -> _Target:
+        """Where ``request`` goes; ``clients`` memoizes the lookups per (scheme, bucket)."""
         parsed: StoreURL = parse_url(request.url)
-        fs = filesystem(parsed, self.storage_options)
-        negative = (request.start or 0) < 0 or (request.end or 0) < 0
-        fast = None
-        if self.config.fast_path and not negative:
-            fast = fast_reader(parsed, self.storage_options)
+        where = (parsed.scheme, parsed.bucket)
+        if where not in clients:
+            fast = fast_reader(parsed, self.storage_options) if self.config.fast_path else None
+            clients[where] = (filesystem(parsed, self.storage_options), fast)
+        fs, fast = clients[where]
+        if (request.start or 0) < 0 or (request.end or 0) < 0:
+            fast = None  # suffix ranges need the object's size: the fsspec path knows how
         return _Target(fs, fs._strip_protocol(str(parsed)), request.url, fast, parsed.key)
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -165,9 +171,9 @@ class Fetcher:
         return data
 
     async def _hedged(self, call: Callable[[], Awaitable[bytes]]) -> bytes:
-        first: asyncio.Future[bytes] = asyncio.ensure_future(call())
         if self.config.hedge_after is None:
-            return await first
+            return await call()
+        first: asyncio.Future[bytes] = asyncio.ensure_future(call())
         finished, _ = await asyncio.wait({first}, timeout=self.config.hedge_after)
         if finished:
             return first.result()

@@ -55,15 +55,19 @@ class _Strings:
 
     def tolist(self) -> list[str]:
         data = self.blob.tobytes()
-        starts = [0, *self.ends[:-1].tolist()]
+        ends = self.ends.tolist()
         return [
             data[a:b].decode("utf-8", "surrogatepass")
-            for a, b in zip(starts, self.ends.tolist(), strict=True)
+            for a, b in zip([0, *ends][:-1], ends, strict=True)
         ]
 
     def take(self, indices: np.ndarray) -> _Strings:
-        items = self.tolist()
-        return _Strings.of([items[i] for i in indices.tolist()])
+        """The strings at ``indices``, copied as bytes (nothing is decoded)."""
+        ends = self.ends[indices]
+        starts = np.where(indices > 0, self.ends[np.maximum(indices - 1, 0)], 0)
+        data = self.blob.data
+        blob = b"".join(data[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True))
+        return _Strings(np.frombuffer(blob, dtype=np.uint8), np.cumsum(ends - starts))
 
 
 @dataclass(frozen=True)
@@ -158,12 +162,11 @@ class Manifest(Sequence[Entry]):
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
-                coro = list_parallel(lister, prefix, concurrency=concurrency)
-                cut = len(prefix)
-                listed = [
-                    Listed(e.key[cut:], e.size, e.version)
-                    for e in fsspec.asyn.sync(fsspec.asyn.get_loop(), lambda: coro)
-                ]
+                loop = fsspec.asyn.get_loop()
+                found = fsspec.asyn.sync(
+                    loop, list_parallel, lister, prefix, concurrency=concurrency
+                )
+                listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
             else:
                 listed = _find(fs, root)
         except StoreError:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,13 +110,19 @@ class TestMemory(FetchConformance, ManifestConformance):
 # -- the same suites through the fault proxy ---------------------------------------------------
 
 
+def through_faults(
+    server: Any, flavor: str, make_case: Callable[[Any, FaultProxy], Case]
+) -> Iterator[Case]:
+    with FaultProxy(server.endpoint, flavor=flavor, faults=FAULTS) as proxy:
+        yield make_case(server, proxy)
+
+
 class TestSeaweedS3Faults(FetchConformance, ManifestConformance):
     objects = 120
 
     @pytest.fixture
     def case(self, seaweed: S3Server) -> Iterator[Case]:
-        with FaultProxy(seaweed.endpoint, flavor="s3", faults=FAULTS) as proxy:
-            yield s3_case(seaweed, proxy)
+        yield from through_faults(seaweed, "s3", s3_case)
 
 
 class TestSeaweedS3FaultsGeneralPath(FetchConformance):
@@ -126,8 +133,7 @@ class TestSeaweedS3FaultsGeneralPath(FetchConformance):
 
     @pytest.fixture
     def case(self, seaweed: S3Server) -> Iterator[Case]:
-        with FaultProxy(seaweed.endpoint, flavor="s3", faults=FAULTS) as proxy:
-            yield s3_case(seaweed, proxy)
+        yield from through_faults(seaweed, "s3", s3_case)
 
 
 class TestFakeGcsFaults(FetchConformance, ManifestConformance):
@@ -135,8 +141,7 @@ class TestFakeGcsFaults(FetchConformance, ManifestConformance):
 
     @pytest.fixture
     def case(self, gcs: FakeGcsServer) -> Iterator[Case]:
-        with FaultProxy(gcs.endpoint, flavor="gcs", faults=FAULTS) as proxy:
-            yield gcs_case(gcs, proxy)
+        yield from through_faults(gcs, "gcs", gcs_case)
 
 
 # Under injected faults a socket of b2sdk's HTTP session is sometimes (2 of ~5 runs) left for
@@ -151,5 +156,4 @@ class TestB2Faults(FetchConformance, ManifestConformance):
 
     @pytest.fixture
     def case(self, b2: B2Server) -> Iterator[Case]:
-        with FaultProxy(b2.endpoint, flavor="b2", faults=FAULTS) as proxy:
-            yield b2_case(b2, proxy)
+        yield from through_faults(b2, "b2", b2_case)
