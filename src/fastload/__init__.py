@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+from fastload.cache import Cache
 from fastload.config import FetchConfig
+from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import (
     AccessDeniedError,
+    CacheError,
     ConfigError,
+    CorruptEntryError,
+    DecodeError,
     FastloadError,
     MissingExtraError,
     ObjectNotFoundError,
     StoreError,
     TransientStoreError,
+    UnsupportedSampleError,
 )
 from fastload.fetch import Fetcher, Request, fetch
 from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.sampler import PermutationSampler, WeightedSampler
+from fastload.transforms import QuantileNormalize, Resize, Transform, compose, versioned
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "Cache",
+    "CacheError",
+    "CachedDataset",
     "ConfigError",
+    "CorruptEntryError",
+    "DecodeError",
     "Entry",
     "FastloadError",
     "FetchConfig",
@@ -30,10 +42,17 @@ __all__ = [
     "MissingExtraError",
     "ObjectNotFoundError",
     "PermutationSampler",
+    "QuantileNormalize",
+    "RemoteDataset",
     "Request",
+    "Resize",
     "StoreError",
+    "Transform",
     "TransientStoreError",
+    "UnsupportedSampleError",
     "WeightedSampler",
     "__version__",
+    "compose",
     "fetch",
+    "versioned",
 ]

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 __all__ = [
     "AccessDeniedError",
+    "CacheError",
     "ConfigError",
+    "CorruptEntryError",
+    "DecodeError",
     "FastloadError",
     "MissingExtraError",
     "ObjectNotFoundError",
     "ServerStartError",
     "StoreError",
     "TransientStoreError",
+    "UnsupportedSampleError",
 ]
 
 
@@ -51,10 +55,11 @@ class StoreError(FastloadError, OSError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # OSError pickles through its args; keep our keyword so errors cross worker processes.
-        return (_rebuild_store_error, (type(self), self.args[0], self.url))
+        return (_rebuild, (type(self), self.args[0], self.url))
 
 
-def _rebuild_store_error(cls: type[StoreError], text: str, url: str | None) -> StoreError:
+def _rebuild(cls: type[StoreError | DecodeError], text: str, url: str | None) -> Exception:
+    """Unpickle an error that carries ``url`` (they cross DataLoader worker processes)."""
     error = cls.__new__(cls)
     Exception.__init__(error, text)
     error.url = url
@@ -71,6 +76,29 @@ class AccessDeniedError(StoreError, PermissionError):
 
 class TransientStoreError(StoreError, ConnectionError):
     """Throttling, a 5xx, a reset or a truncated body that outlasted the retries."""
+
+
+class UnsupportedSampleError(FastloadError, TypeError):
+    """A sample holds a value the cache cannot store; the message names its type and place."""
+
+
+class DecodeError(FastloadError, ValueError):
+    """An object's bytes could not be decoded or transformed; ``url`` names the object."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        self.url = url
+        super().__init__(f"{message}: {url}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], self.url))
+
+
+class CacheError(FastloadError, OSError):
+    """The cache directory cannot be used: not writable, disk full, not a fastload cache."""
+
+
+class CorruptEntryError(CacheError):
+    """A cache entry failed its checksum or could not be parsed (it is deleted and recomputed)."""
 
 
 class ServerStartError(FastloadError, RuntimeError):

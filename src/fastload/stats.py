@@ -7,11 +7,11 @@ however many requests it sees and merges across workers by adding counts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-__all__ = ["FetchStats", "Histogram"]
+__all__ = ["CacheStats", "DatasetStats", "FetchStats", "Histogram"]
 
 _PER_OCTAVE = 8
 _MIN_SECONDS = 1e-6
@@ -72,3 +72,40 @@ class FetchStats:
             self.latency.total / self.latency.count * 1e3 if self.latency.count else 0.0
         )
         return out
+
+
+@dataclass
+class CacheStats:
+    """What one process's :class:`fastload.Cache` did (each DataLoader worker counts its own)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    waits: int = 0  # misses another process or thread was already computing
+    evictions: int = 0
+    repairs: int = 0  # corrupt entries found, deleted and recomputed
+    oversize: int = 0  # samples larger than the whole budget, served without caching
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class DatasetStats:
+    """What one process's :class:`fastload.RemoteDataset` did."""
+
+    samples: int = 0
+    skipped: int = 0  # failed samples replaced under on_error="skip"
+    skipped_keys: list[str] = field(default_factory=list)
+    prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "skipped_keys": list(self.skipped_keys),
+            "prepare_p50_ms": self.prepare.percentile(50) * 1e3,
+            "prepare_p99_ms": self.prepare.percentile(99) * 1e3,
+            "prepare_total_s": self.prepare.total,
+        }

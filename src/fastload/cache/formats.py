@@ -1,0 +1,596 @@
+"""How a cached sample is laid out on disk: ``pt``, ``npy`` or ``zarr``.
+
+``pt`` and ``npy`` entries are one file each::
+
+    b"FLCACHE1" | u64 header length | header JSON | blobs (64-byte aligned) | footer
+
+The header holds the sample's structure (see :mod:`fastload.cache._tree`) and each blob's
+length; the footer is a checksum of everything before it, its algorithm and an end mark, so a
+truncated, torn or bit-flipped file is recognised on read. ``pt`` keeps the arrays as one
+``torch.save`` blob, loaded with ``weights_only=True`` (a planted pickle cannot run code);
+``npy`` keeps each array's raw buffer, the fastest to read.
+
+``zarr`` entries are Zarr v3 groups (readable by zarr-python): one chunked array per leaf,
+each chunk Blosc-compressed and followed by its CRC32C. They are read chunk by chunk on a
+thread pool, and a crop reads only the chunks it touches.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import os
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from crc32c import crc32c
+
+from fastload._extras import import_extra
+from fastload.cache._tree import Leaf, flatten, unflatten
+from fastload.errors import CorruptEntryError, UnsupportedSampleError
+from fastload.stores._perprocess import PerProcessCache
+
+__all__ = ["FORMATS", "Format", "ZarrArray"]
+
+_MAGIC = b"FLCACHE1"
+_PREFIX = struct.Struct("<8sQ")
+_FOOTER = struct.Struct("<I4s")  # CRC32C of everything before it, end mark
+_END = b"FLC."
+_ALIGN = 64
+
+
+class Format(ABC):
+    """One on-disk layout. ``write`` builds an entry at a temporary path; the cache renames it."""
+
+    name: ClassVar[str]
+    suffix: ClassVar[str]
+    directory: ClassVar[bool] = False
+
+    @abstractmethod
+    def write(self, sample: Any, name: str, path: Path) -> int:
+        """Write ``sample`` (identified by ``name``) at ``path``; the bytes written."""
+
+    @abstractmethod
+    def read(self, path: Path) -> Any:
+        """The sample at ``path``; :class:`CorruptEntryError` when it fails its checks,
+        ``FileNotFoundError`` when it is gone."""
+
+    def name_of(self, path: Path) -> str:
+        """The name the entry was written under (for reports); checks nothing else."""
+        header = self._header(path)
+        return str(header.get("name", ""))
+
+    @abstractmethod
+    def _header(self, path: Path) -> dict[str, Any]: ...
+
+
+# --- one-file formats -------------------------------------------------------------------------
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _FileFormat(Format):
+    """The single-file container shared by ``pt`` and ``npy``."""
+
+    @abstractmethod
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]: ...
+
+    @abstractmethod
+    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]: ...
+
+    def write(self, sample: Any, name: str, path: Path) -> int:
+        spec, leaves = flatten(sample)
+        meta, blobs = self._encode(leaves)
+        header = json.dumps({"name": name, "format": self.name, "spec": spec, **meta}).encode()
+        header_end = _PREFIX.size + len(header)
+        crc = 0
+        with _create(path) as out:
+            out.write(_PREFIX.pack(_MAGIC, len(header)))
+            crc = crc32c(header, crc32c(_PREFIX.pack(_MAGIC, len(header))))
+            out.write(header)
+            position = header_end
+            for blob in blobs:
+                pad = bytes(_aligned(position) - position)
+                out.write(pad)
+                out.write(blob)
+                crc = crc32c(blob, crc32c(pad, crc))
+                position = _aligned(position) + blob.nbytes
+            out.write(_FOOTER.pack(crc, _END))
+        return position + _FOOTER.size
+
+    def read(self, path: Path) -> Any:
+        buffer = _read_checked(path)
+        header = _parse_header(buffer, path)
+        try:
+            blobs = self._blobs(buffer, header["sizes"])
+            return unflatten(header["spec"], self._decode(header, blobs))
+        except Exception as exc:  # the checksum passed: another format or version wrote it
+            raise CorruptEntryError(
+                f"cache entry does not decode ({type(exc).__name__}): {path}"
+            ) from exc
+
+    @staticmethod
+    def _blobs(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+        blobs: list[np.ndarray] = []
+        position = _PREFIX.size + int(_PREFIX.unpack_from(buffer.data)[1])
+        for size in sizes:
+            position = _aligned(position)
+            blobs.append(buffer[position : position + size])
+            position += size
+        if position != buffer.nbytes - _FOOTER.size:
+            raise ValueError("the blobs do not add up to the file")
+        return blobs
+
+    def _header(self, path: Path) -> dict[str, Any]:
+        return _parse_header(_read_checked(path), path)
+
+
+def _create(path: Path) -> io.BufferedWriter:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    return open(fd, "wb")
+
+
+def _read_checked(path: Path) -> np.ndarray:
+    """The whole file as a writable uint8 array, after its checksum matched."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _PREFIX.size + _FOOTER.size:
+            raise CorruptEntryError(f"cache entry is truncated ({size} bytes): {path}")
+        buffer = np.empty(size, np.uint8)
+        if f.readinto(buffer.data) != size:
+            raise CorruptEntryError(f"cache entry changed while read: {path}")
+    crc, end = _FOOTER.unpack_from(buffer.data, size - _FOOTER.size)
+    if end != _END or crc32c(buffer[: size - _FOOTER.size].data) != crc:
+        raise CorruptEntryError(f"cache entry fails its checksum: {path}")
+    return buffer
+
+
+def _parse_header(buffer: np.ndarray, path: Path) -> dict[str, Any]:
+    magic, length = _PREFIX.unpack_from(buffer.data)
+    if magic != _MAGIC:
+        raise CorruptEntryError(f"not a fastload cache entry: {path}")
+    try:
+        header: dict[str, Any] = json.loads(bytes(buffer[_PREFIX.size : _PREFIX.size + length]))
+    except ValueError as exc:
+        raise CorruptEntryError(f"cache entry header is unreadable: {path}") from exc
+    return header
+
+
+def _leaf_kinds(leaves: list[Leaf]) -> list[str]:
+    return ["t" if isinstance(leaf, torch.Tensor) else "n" for leaf in leaves]
+
+
+class PtFormat(_FileFormat):
+    name = "pt"
+    suffix = ".flpt"
+
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]:
+        tensors = [_as_tensor(leaf, i) for i, leaf in enumerate(leaves)]
+        blob = io.BytesIO()
+        torch.save(tensors, blob)
+        return {"kinds": _leaf_kinds(leaves), "sizes": [blob.tell()]}, [blob.getbuffer()]
+
+    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]:
+        tensors = torch.load(io.BytesIO(blobs[0].data), weights_only=True, map_location="cpu")
+        if not isinstance(tensors, list) or len(tensors) != len(header["kinds"]):
+            raise ValueError("the .pt blob does not match its header")
+        return [t if k == "t" else t.numpy() for t, k in zip(tensors, header["kinds"], strict=True)]
+
+
+def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        # torch.save writes a view's whole storage; keep only the view.
+        return leaf.clone() if leaf.untyped_storage().nbytes() != leaf.nbytes else leaf
+    try:
+        return torch.from_numpy(np.ascontiguousarray(leaf))
+    except TypeError as exc:
+        raise UnsupportedSampleError(
+            f"array leaf {index} has dtype {leaf.dtype}, which format 'pt' cannot hold"
+        ) from exc
+
+
+class NpyFormat(_FileFormat):
+    name = "npy"
+    suffix = ".flnpy"
+
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]:
+        arrays: list[dict[str, Any]] = []
+        blobs: list[memoryview] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                flat = leaf.contiguous().reshape(-1).view(torch.uint8).numpy()
+                arrays.append(
+                    {"torch": str(leaf.dtype).removeprefix("torch."), "shape": [*leaf.shape]}
+                )
+            else:
+                array = np.ascontiguousarray(leaf)
+                flat = array.reshape(-1).view(np.uint8)
+                arrays.append(
+                    {"dtype": np.lib.format.dtype_to_descr(array.dtype), "shape": [*array.shape]}
+                )
+            blobs.append(flat.data)
+        return {"arrays": arrays, "sizes": [b.nbytes for b in blobs]}, blobs
+
+    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]:
+        leaves: list[Leaf] = []
+        for meta, blob in zip(header["arrays"], blobs, strict=True):
+            if "torch" in meta:
+                dtype = getattr(torch, meta["torch"])
+                leaves.append(torch.from_numpy(blob).view(dtype).reshape(meta["shape"]))
+            else:
+                dtype = np.lib.format.descr_to_dtype(meta["dtype"])
+                leaves.append(blob.view(dtype).reshape(meta["shape"]))
+        return leaves
+
+
+# --- zarr -------------------------------------------------------------------------------------
+
+_CHUNK_BYTES = 1 << 20
+_ZARR_TYPES = {
+    np.dtype(name): name
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}  # fmt: skip
+_pools: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
+_scratch = threading.local()
+
+
+def _pool() -> ThreadPoolExecutor:
+    width = min(16, 2 * (os.cpu_count() or 2))  # reads wait on the disk as well
+    return _pools.get("zarr", lambda: ThreadPoolExecutor(width, "fastload-zarr"))
+
+
+def _blosc() -> Any:
+    return import_extra("numcodecs.blosc", extra="zarr", feature="the 'zarr' cache format")
+
+
+def chunk_shape(shape: Sequence[int], itemsize: int, target: int = _CHUNK_BYTES) -> list[int]:
+    """Halve the longest leading axis until a chunk holds at most ``target`` bytes; the last axis
+    is halved only when a single row is too big. Whole rows keep a chunk a few long runs of
+    the array, which are read straight into place."""
+    chunks = [max(1, n) for n in shape]
+    while math.prod(chunks) * itemsize > target and max(chunks) > 1:
+        leading = chunks[:-1]
+        axis = leading.index(max(leading)) if leading and max(leading) > 1 else len(chunks) - 1
+        chunks[axis] = -(-chunks[axis] // 2)
+    return chunks
+
+
+def _compress(blosc: Any, block: np.ndarray) -> bytes:
+    shuffle = blosc.SHUFFLE if block.dtype.itemsize > 1 else blosc.NOSHUFFLE
+    return bytes(blosc.compress(block, b"lz4", 5, shuffle))
+
+
+def _codecs(dtype: np.dtype[Any], compressed: bool) -> list[dict[str, Any]]:
+    shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
+    blosc = {
+        "cname": "lz4",
+        "clevel": 5,
+        "shuffle": shuffle,
+        "typesize": dtype.itemsize,
+        "blocksize": 0,
+    }
+    return [
+        {"name": "bytes", "configuration": {"endian": "little"}},
+        *([{"name": "blosc", "configuration": blosc}] if compressed else []),
+        {"name": "crc32c"},
+    ]
+
+
+def _array_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The zarr.json of an array described by our ``{shape, dtype, chunks, compressed}``."""
+    dtype = np.dtype(meta["dtype"])
+    fill: Any = [0.0, 0.0] if dtype.kind == "c" else (False if dtype.kind == "b" else 0)
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": meta["shape"],
+        "data_type": _ZARR_TYPES[dtype.newbyteorder("=")],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": meta["chunks"]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": _codecs(dtype, meta["compressed"]),
+        "attributes": {},
+    }
+
+
+def _chunk_key(index: Sequence[int]) -> str:
+    return "/".join(["c", *map(str, index)])
+
+
+def _grid(
+    shape: Sequence[int], chunks: Sequence[int], region: Sequence[slice] | None = None
+) -> Iterator[tuple[int, ...]]:
+    """The indices of the chunks that ``region`` (default: all) touches."""
+    region = [slice(0, n) for n in shape] if region is None else region
+    ranges = [
+        range(r.start // c, -(-r.stop // c)) if r.stop > r.start else range(0)
+        for r, c in zip(region, chunks, strict=True)
+    ]
+    return itertools.product(*ranges)
+
+
+def _block(array: np.ndarray, chunks: list[int], index: tuple[int, ...]) -> np.ndarray:
+    """Chunk ``index`` of ``array``, padded with zeros (the fill value) to the full chunk shape."""
+    part = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks, strict=True))]
+    if list(part.shape) == chunks:
+        return np.ascontiguousarray(part)
+    block = np.zeros(chunks, array.dtype)
+    block[tuple(slice(0, n) for n in part.shape)] = part
+    return block
+
+
+def _pays(blosc: Any, block: np.ndarray) -> bool:
+    """Compress when it saves a fifth or more: decompression costs more read time than it saves
+    on noise-like floats (normalised volumes often compress by only 10-20%)."""
+    return len(_compress(blosc, block)) * 1.25 <= block.nbytes
+
+
+def _zarr_array(leaf: Leaf, index: int) -> np.ndarray:
+    if isinstance(leaf, torch.Tensor):
+        try:
+            leaf = leaf.numpy()
+        except TypeError as exc:
+            raise UnsupportedSampleError(
+                f"tensor leaf {index} has dtype {leaf.dtype}, which format 'zarr' cannot hold "
+                "(use format='pt' or 'npy')"
+            ) from exc
+    if leaf.dtype.newbyteorder("=") not in _ZARR_TYPES:
+        raise UnsupportedSampleError(
+            f"array leaf {index} has dtype {leaf.dtype}, which format 'zarr' cannot hold"
+        )
+    return np.ascontiguousarray(leaf, dtype=leaf.dtype.newbyteorder("<"))
+
+
+def _write_json(path: Path, document: dict[str, Any]) -> None:
+    with _create(path) as out:
+        out.write(json.dumps(document).encode())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        document: dict[str, Any] = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise CorruptEntryError(f"cache entry metadata is unreadable: {path}") from exc
+    return document
+
+
+class ZarrArray:
+    """One array of a zarr entry, read lazily: index it (ints and step-1 slices) to read a crop,
+    or ``np.asarray(a)`` for all of it. Valid inside the ``Cache.open`` block that returned it."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], as_tensor: bool) -> None:
+        self.path = path
+        self.shape = tuple(meta["shape"])
+        self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+        self.chunks = tuple(meta["chunks"])
+        self.compressed = bool(meta["compressed"])
+        self.as_tensor = as_tensor
+
+    def __repr__(self) -> str:
+        return f"ZarrArray(shape={self.shape}, dtype={self.dtype}, chunks={self.chunks})"
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+    def __getitem__(self, key: Any) -> np.ndarray | torch.Tensor:
+        region, drop = _region(key, self.shape)
+        out = self.read(region)[tuple(0 if d else slice(None) for d in drop)]
+        return torch.from_numpy(np.ascontiguousarray(out)) if self.as_tensor else out
+
+    def read(self, region: Sequence[slice] | None = None) -> np.ndarray:
+        """The array, or the ``region`` of it (one non-negative slice per axis)."""
+        region = [slice(0, n) for n in self.shape] if region is None else list(region)
+        out = np.empty([r.stop - r.start for r in region], self.dtype)
+        blosc = _blosc()
+
+        def one(index: tuple[int, ...]) -> None:
+            src, dst = [], []
+            for i, r, c in zip(index, region, self.chunks, strict=True):
+                lo, hi = max(r.start, i * c), min(r.stop, (i + 1) * c)
+                src.append(slice(lo - i * c, hi - i * c))
+                dst.append(slice(lo - r.start, hi - r.start))
+            target = out[tuple(dst)]
+            whole = list(target.shape) == list(self.chunks)
+            pieces = _runs(target) if whole and not self.compressed else None
+            if pieces is not None:
+                self._read_into(index, pieces)  # straight into place, no copy
+            else:
+                target[...] = self._chunk(blosc, index)[tuple(src)]
+
+        chunks = _grid(self.shape, self.chunks, region)
+        # Decompression is CPU work that threads share; plain reads are the kernel copying
+        # pages, which extra threads only slow down on a small machine.
+        list(_pool().map(one, chunks) if self.compressed else map(one, chunks))
+        return out
+
+    def _open(self, key: str) -> io.FileIO:
+        try:
+            return open(self.path / key, "rb", buffering=0)
+        except FileNotFoundError as exc:
+            raise CorruptEntryError(f"cache entry lacks chunk {key}: {self.path}") from exc
+
+    def _read_into(self, index: tuple[int, ...], pieces: list[np.ndarray]) -> None:
+        """Read an uncompressed chunk into ``pieces`` (its place in the output, in order)."""
+        key = _chunk_key(index)
+        tail = bytearray(4)
+        with self._open(key) as f:
+            got = os.readv(f.fileno(), [*(p.data for p in pieces), tail])
+            size = os.fstat(f.fileno()).st_size
+        crc = 0
+        for piece in pieces:
+            crc = crc32c(piece.data, crc)
+        if (
+            got != size
+            or got != sum(p.nbytes for p in pieces) + 4
+            or crc != int.from_bytes(tail, "little")
+        ):
+            raise CorruptEntryError(f"chunk {key} fails its checksum: {self.path}")
+
+    def _chunk(self, blosc: Any, index: tuple[int, ...]) -> np.ndarray:
+        """One chunk, checked and decompressed into this thread's reused buffers."""
+        key = _chunk_key(index)
+        nbytes = math.prod(self.chunks) * self.dtype.itemsize
+        with self._open(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            data = _scratch_buffer("data", size)
+            got = f.readinto(data.data)
+        if got != size or size < 4 or crc32c(data[:-4].data) != int(data[-4:].view("<u4")[0]):
+            raise CorruptEntryError(f"chunk {key} fails its checksum: {self.path}")
+        if not self.compressed:
+            if size - 4 != nbytes:
+                raise CorruptEntryError(
+                    f"chunk {key} has {size - 4} bytes, not {nbytes}: {self.path}"
+                )
+            chunk: np.ndarray = data[:-4].view(self.dtype).reshape(self.chunks)
+            return chunk
+        out = _scratch_buffer("out", nbytes)
+        try:
+            blosc.decompress(data[:-4], dest=out)
+        except Exception as exc:  # numcodecs raises RuntimeError on bad input
+            raise CorruptEntryError(f"chunk {key} does not decompress: {self.path}") from exc
+        chunk = out.view(self.dtype).reshape(self.chunks)
+        return chunk
+
+
+def _runs(view: np.ndarray, limit: int = 64) -> list[np.ndarray] | None:
+    """``view`` as at most ``limit`` C-contiguous pieces in order, or None."""
+    for k in range(view.ndim + 1):
+        lead = view.shape[:k]
+        if math.prod(lead) > limit:
+            return None
+        if view[(0,) * k].flags.c_contiguous:  # the sub-views share strides: one check will do
+            return [view[i] for i in np.ndindex(*lead)]
+    return None
+
+
+def _scratch_buffer(name: str, nbytes: int) -> np.ndarray:
+    """A per-thread buffer reused across chunks (fresh large buffers cost page faults)."""
+    buffer: np.ndarray | None = getattr(_scratch, name, None)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = np.empty(nbytes, np.uint8)
+        setattr(_scratch, name, buffer)
+    return buffer[:nbytes]
+
+
+def _region(key: Any, shape: tuple[int, ...]) -> tuple[list[slice], list[bool]]:
+    """Basic indexing (ints and step-1 slices) as one slice per axis, plus which axes to drop."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if len(parts) > len(shape):
+        raise IndexError(f"too many indices for an array of shape {shape}")
+    region, drop = [], []
+    for axis, n in enumerate(shape):
+        part = parts[axis] if axis < len(parts) else slice(None)
+        if isinstance(part, (int, np.integer)):
+            i = int(part) + (n if part < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {part} is out of bounds for axis {axis} with size {n}")
+            region.append(slice(i, i + 1))
+            drop.append(True)
+        elif isinstance(part, slice) and part.step in (None, 1):
+            start, stop, _ = part.indices(n)
+            region.append(slice(start, max(start, stop)))
+            drop.append(False)
+        else:
+            raise IndexError(f"a zarr cache entry takes ints and step-1 slices, got {part!r}")
+    return region, drop
+
+
+class ZarrFormat(Format):
+    name = "zarr"
+    suffix = ".zarr"
+    directory = True
+
+    def write(self, sample: Any, name: str, path: Path) -> int:
+        blosc = _blosc()
+        spec, leaves = flatten(sample)
+        arrays = [_zarr_array(leaf, i) for i, leaf in enumerate(leaves)]
+        path.mkdir(mode=0o700)
+        metas, jobs = [], []
+        for i, array in enumerate(arrays):
+            chunks = chunk_shape(array.shape, array.dtype.itemsize)
+            blocks = [(index, _block(array, chunks, index)) for index in _grid(array.shape, chunks)]
+            meta = {
+                "shape": [*array.shape],
+                "dtype": array.dtype.str,
+                "chunks": chunks,
+                "compressed": bool(blocks) and _pays(blosc, blocks[0][1]),
+            }
+            metas.append(meta)
+            (path / str(i)).mkdir(mode=0o700)
+            _write_json(path / str(i) / "zarr.json", _array_meta(meta))
+            for index, block in blocks:
+                target = path / str(i) / _chunk_key(index)
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                jobs.append((block, meta["compressed"], target))
+        attributes = {"name": name, "spec": spec, "kinds": _leaf_kinds(leaves), "arrays": metas}
+        group = {"zarr_format": 3, "node_type": "group", "attributes": {"fastload": attributes}}
+        _write_json(path / "zarr.json", group)
+
+        def one(job: tuple[np.ndarray, bool, Path]) -> int:
+            block, compressed, target = job
+            data = _compress(blosc, block) if compressed else block.tobytes()
+            with _create(target) as out:
+                out.write(data)
+                out.write(crc32c(data).to_bytes(4, "little"))
+            return len(data) + 4
+
+        return sum(_pool().map(one, jobs)) + _tree_bytes(path, files_only="zarr.json")
+
+    def _header(self, path: Path) -> dict[str, Any]:
+        header = _read_json(path / "zarr.json").get("attributes", {}).get("fastload")
+        if not isinstance(header, dict):
+            raise CorruptEntryError(f"not a fastload zarr entry: {path}")
+        return header
+
+    def arrays(self, path: Path) -> tuple[list[Any], list[ZarrArray]]:
+        """The entry's spec and a lazy :class:`ZarrArray` per leaf, metadata cross-checked."""
+        header = self._header(path)
+        arrays = []
+        try:
+            for i, (meta, kind) in enumerate(zip(header["arrays"], header["kinds"], strict=True)):
+                if _read_json(path / str(i) / "zarr.json") != _array_meta(meta):
+                    raise CorruptEntryError(f"array {i} metadata disagrees with the entry: {path}")
+                arrays.append(ZarrArray(path / str(i), meta, kind == "t"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptEntryError(f"cache entry metadata is malformed: {path}") from exc
+        return header["spec"], arrays
+
+    def read(self, path: Path) -> Any:
+        spec, arrays = self.arrays(path)
+        leaves: list[Leaf] = []
+        for array in arrays:
+            data = array.read()
+            leaves.append(torch.from_numpy(data) if array.as_tensor else data)
+        return unflatten(spec, leaves)
+
+
+def _tree_bytes(path: Path, files_only: str | None = None) -> int:
+    """Bytes of the files under ``path`` (or only those named ``files_only``)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            if files_only is None or name == files_only:
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
+def entry_bytes(path: Path, directory: bool) -> int:
+    return _tree_bytes(path) if directory else path.stat().st_size
+
+
+FORMATS: dict[str, Callable[[], Format]] = {"pt": PtFormat, "npy": NpyFormat, "zarr": ZarrFormat}

@@ -1,0 +1,523 @@
+"""The persistent cache of preprocessed samples: keys, atomic writes, locks, budget, repair.
+
+Layout under ``root``::
+
+    fastload-cache.json   marker (layout version); a non-empty folder without it is refused
+    CACHEDIR.TAG          tells backup tools to skip the folder
+    entries/ab/cd/<digest><suffix>   one file (pt, npy) or Zarr group (zarr) per sample
+    locks/ab/<digest>.lock           while a sample is computed (zarr: also while read; these go
+                                     with the entry)
+    tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
+    usage                            bytes in entries/ (kept under its own lock)
+
+A sample's file name is a hash of its name and the format, so no name can reach outside
+``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
+only a file in tmp/, which the next Cache removes once its process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastload.cache._locks import FileLock
+from fastload.cache._tree import unflatten
+from fastload.cache.formats import FORMATS, Format, ZarrFormat, entry_bytes
+from fastload.errors import CacheError, ConfigError, CorruptEntryError
+from fastload.stats import CacheStats
+
+__all__ = ["Cache", "CacheFormat", "VerifyReport"]
+
+log = logging.getLogger(__name__)
+
+CacheFormat = Literal["pt", "npy", "zarr"]
+_LAYOUT = 1
+_MARKER = "fastload-cache.json"
+_TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to delete\n"
+_LOW_WATER = 0.9  # eviction frees space down to this share of the budget
+_STALE_TMP_SECONDS = 24 * 3600
+_MISSING: Any = object()
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`Cache.verify` found: entries checked, corrupt ones (by name) and bytes freed."""
+
+    checked: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    removed_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    digest: str
+    path: Path
+    size: int
+    used: float  # last read or write (mtime)
+
+
+class Cache:
+    """Preprocessed samples on local disk, shared safely by every process on the node.
+
+    ``format``: ``"pt"`` (torch.save, loaded with ``weights_only=True``), ``"npy"`` (raw
+    array buffers, the fastest) or ``"zarr"`` (chunked and compressed; crops read only what
+    they touch, see :meth:`open`). ``max_bytes`` bounds the entries; the least recently used
+    are evicted past it.
+
+    Names are any strings that identify a sample and everything that shaped it (object URL,
+    version, transform fingerprint); :meth:`name` builds one.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        format: CacheFormat = "pt",
+        max_bytes: int | None = None,
+    ) -> None:
+        if format not in FORMATS:
+            raise ConfigError(f"Cache format must be one of {sorted(FORMATS)}, got {format!r}")
+        ok = max_bytes is None or (type(max_bytes) is int and max_bytes > 0)
+        if not ok:
+            raise ConfigError(f"Cache.max_bytes must be None or an int > 0, got {max_bytes!r}")
+        self.root = Path(root).expanduser().absolute()
+        self.format: CacheFormat = format
+        self.max_bytes = max_bytes
+        self.counters = CacheStats()
+        self._layout: Format = FORMATS[format]()
+        self._warned: set[str] = set()
+        self._prepare()
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes})"
+
+    @staticmethod
+    def name(url: str, version: str = "", fingerprint: str = "") -> str:
+        """The name of ``url`` at ``version`` preprocessed by a transform with ``fingerprint``."""
+        return f"{url}@{version}#{fingerprint}"
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        marker = self.root / _MARKER
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not marker.exists():
+                if any(self.root.iterdir()):
+                    raise CacheError(
+                        f"{self.root} is not empty and is not a fastload cache; "
+                        "choose a new or empty directory"
+                    )
+                (self.root / "CACHEDIR.TAG").write_text(_TAG)
+                _atomic_text(marker, json.dumps({"layout": _LAYOUT}))
+            elif json.loads(marker.read_text()).get("layout") != _LAYOUT:
+                raise CacheError(f"{self.root} holds a cache of another fastload layout")
+            for sub in ("entries", "locks", "tmp"):
+                (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, CacheError):
+                raise
+            raise CacheError(f"cannot use {self.root} as a cache ({_why(exc)})") from exc
+        if not os.access(self.root / "tmp", os.W_OK):
+            raise CacheError(f"cache directory is not writable: {self.root}")
+        self._remove_stale_tmp()
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        for item in (self.root / "tmp").iterdir():
+            pid = item.name.split(".")[1] if item.name.count(".") >= 2 else ""
+            with contextlib.suppress(FileNotFoundError):
+                old = now - item.lstat().st_mtime > _STALE_TMP_SECONDS
+                if old or not (pid.isdigit() and _alive(int(pid))):
+                    _remove(item)
+
+    # --- paths --------------------------------------------------------------------------------
+
+    def _digest(self, name: str) -> str:
+        return hashlib.sha256(f"{self.format}\0{name}".encode()).hexdigest()[:40]
+
+    def _path(self, digest: str) -> Path:
+        return self.root / "entries" / digest[:2] / digest[2:4] / (digest + self._layout.suffix)
+
+    def _lock(self, digest: str) -> FileLock:
+        return FileLock(self.root / "locks" / digest[:2] / f"{digest}.lock")
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def _load(self, digest: str, held: bool = False) -> Any:
+        """The entry's sample, or _MISSING when it is absent or corrupt (corrupt ones go).
+
+        ``held``: the caller holds the name's exclusive lock.
+        """
+        path = self._path(digest)
+        try:
+            value = self._read(digest, path, held)
+        except FileNotFoundError:
+            return _MISSING
+        except CorruptEntryError as exc:
+            self._discard(digest, path, exc, held)
+            return _MISSING
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)  # mtime orders eviction (least recently used first)
+        return value
+
+    def _read(self, digest: str, path: Path, held: bool = False) -> Any:
+        if held or not self._layout.directory:
+            return self._layout.read(path)  # an open file outlives its eviction
+        lock = self._lock(digest)  # a folder does not: keep eviction away while reading
+        lock.acquire(shared=True)
+        try:
+            return self._layout.read(path)
+        finally:
+            lock.release()
+
+    def _discard(self, digest: str, path: Path, why: Exception, held: bool = False) -> None:
+        lock = self._lock(digest)
+        if not held and not lock.acquire(blocking=False):
+            return  # its holder is rewriting it
+        try:
+            freed = _remove(path)
+        finally:
+            if not held:
+                lock.release(remove=True)
+        if freed:
+            self.counters.repairs += 1
+            self._add_usage(-freed)
+            log.warning("deleted a corrupt cache entry (it will be recomputed): %s", why)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The cached sample, or ``default`` when there is none (a corrupt one counts as none)."""
+        value = self._load(self._digest(name))
+        self._count(value is not _MISSING)
+        return default if value is _MISSING else value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._path(self._digest(name)).exists()
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[Any]:
+        """A zarr entry with lazy leaves (:class:`fastload.cache.ZarrArray`): index them to read
+        only the chunks a crop touches. The entry is kept from eviction inside the block."""
+        if not isinstance(self._layout, ZarrFormat):
+            raise ConfigError(
+                f"Cache.open reads zarr entries; this cache is format={self.format!r}"
+            )
+        digest = self._digest(name)
+        lock = self._lock(digest)
+        lock.acquire(shared=True)
+        try:
+            try:
+                spec, arrays = self._layout.arrays(self._path(digest))
+            except FileNotFoundError:
+                self._count(False)
+                raise KeyError(name) from None
+            self._count(True)
+            yield unflatten(spec, list(arrays))  # type: ignore[arg-type]
+        finally:
+            lock.release()
+
+    def _count(self, hit: bool) -> None:
+        if hit:
+            self.counters.hits += 1
+        else:
+            self.counters.misses += 1
+
+    # --- computing and writing ----------------------------------------------------------------
+
+    def get_or_compute(self, name: str, compute: Callable[[], Any]) -> Any:
+        """The cached sample, or ``compute()`` stored first; one process computes a name at once."""
+        (value,) = self.get_many([name], lambda positions: [compute()])
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def get_many(
+        self, names: Sequence[str], compute: Callable[[list[int]], Sequence[Any]]
+    ) -> list[Any]:
+        """The samples for ``names``; ``compute(positions)`` makes the missing ones.
+
+        Across threads and processes each missing name is computed once: the others wait and
+        then read it. ``compute`` returns one value per position; a value that is an exception
+        is handed back in its slot and not cached.
+        """
+        digests = [self._digest(n) for n in names]
+        out = [self._load(d) for d in digests]
+        first: dict[str, int] = {}
+        for i, value in enumerate(out):
+            self._count(value is not _MISSING)
+            if value is _MISSING:
+                first.setdefault(digests[i], i)
+        if first:
+            ours, theirs = self._claim(first)
+            self._fill(out, names, digests, ours, compute)
+            self._fill(out, names, digests, self._wait_for(theirs, out, digests), compute)
+        for i, value in enumerate(out):
+            if value is _MISSING:  # a name given twice in one call
+                out[i] = out[first[digests[i]]]
+        return out
+
+    def _claim(self, first: dict[str, int]) -> tuple[dict[int, FileLock], dict[int, FileLock]]:
+        """Lock what no one else is computing; the rest are someone else's to finish."""
+        ours: dict[int, FileLock] = {}
+        theirs: dict[int, FileLock] = {}
+        for digest, i in sorted(first.items()):
+            lock = self._lock(digest)
+            (ours if lock.acquire(blocking=False) else theirs)[i] = lock
+        return ours, theirs
+
+    def _wait_for(
+        self, theirs: dict[int, FileLock], out: list[Any], digests: list[str]
+    ) -> dict[int, FileLock]:
+        """Wait (in digest order: no deadlock) for entries others compute; keep failed ones."""
+        left: dict[int, FileLock] = {}
+        try:
+            for i, lock in theirs.items():
+                lock.acquire()
+                self.counters.waits += 1
+                out[i] = self._load(digests[i], held=True)
+                if out[i] is _MISSING:
+                    left[i] = lock
+                else:
+                    lock.release()
+        except BaseException:
+            for lock in left.values():
+                lock.release()
+            raise
+        return left
+
+    def _fill(
+        self,
+        out: list[Any],
+        names: Sequence[str],
+        digests: list[str],
+        locked: dict[int, FileLock],
+        compute: Callable[[list[int]], Sequence[Any]],
+    ) -> None:
+        """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
+        try:
+            todo = []
+            for i in locked:
+                out[i] = self._load(digests[i], held=True)  # done between our read and lock?
+                if out[i] is _MISSING:
+                    todo.append(i)
+            if not todo:
+                return
+            values = list(compute(todo))
+            if len(values) != len(todo):
+                raise ConfigError(f"compute returned {len(values)} values for {len(todo)} names")
+            for i, value in zip(todo, values, strict=True):
+                out[i] = value
+                if not isinstance(value, BaseException):
+                    self._store(digests[i], names[i], value)
+        finally:
+            for lock in locked.values():
+                lock.release(remove=True)
+
+    def put(self, name: str, sample: Any) -> None:
+        """Store ``sample`` under ``name`` (replacing what was there)."""
+        digest = self._digest(name)
+        lock = self._lock(digest)
+        lock.acquire()
+        try:
+            self._store(digest, name, sample)
+        finally:
+            lock.release(remove=True)
+
+    def _store(self, digest: str, name: str, sample: Any) -> None:
+        tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            size = self._layout.write(sample, name, tmp)
+            if self.max_bytes is not None and size > self.max_bytes:
+                self.counters.oversize += 1
+                self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
+                return
+            path = self._path(digest)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with self._usage() as used:
+                if self.max_bytes is not None and used[0] + size > self.max_bytes:
+                    used[0] = self._evict(int(self.max_bytes * _LOW_WATER) - size)
+                used[0] += size - _remove(path)  # a stale or corrupt one may be in the way
+                os.rename(tmp, path)
+        except OSError as exc:
+            if isinstance(exc, CacheError):
+                raise
+            raise CacheError(
+                f"cannot write the cache entry for {name} in {self.root} ({_why(exc)})"
+            ) from exc
+        finally:
+            _remove(tmp)
+        self.counters.writes += 1
+        self.counters.bytes_written += size
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("%s: %s", message, name)
+
+    # --- the byte budget ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _usage(self) -> Iterator[list[int]]:
+        """The bytes in entries/, read and written back in place under the usage file's lock."""
+        path = self.root / "usage"
+        lock = FileLock(path)
+        lock.acquire()
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                raw = os.pread(fd, 32, 0)
+                used = [int(raw) if raw.isdigit() else self._scan_bytes()]
+                yield used
+                os.pwrite(fd, b"%020d" % max(0, used[0]), 0)
+            finally:
+                os.close(fd)
+        finally:
+            lock.release()
+
+    def _add_usage(self, delta: int) -> None:
+        with self._usage() as used:
+            used[0] += delta
+
+    def _entries(self) -> Iterator[_Entry]:
+        for shard in sorted((self.root / "entries").glob("*/*")):
+            with os.scandir(shard) as items:
+                for item in items:
+                    digest = item.name.split(".")[0]
+                    path = Path(item.path)
+                    with contextlib.suppress(FileNotFoundError):
+                        size = entry_bytes(path, self._layout.directory)
+                        yield _Entry(digest, path, size, item.stat().st_mtime)
+
+    def _scan_bytes(self) -> int:
+        return sum(e.size for e in self._entries())
+
+    def _evict(self, target: int) -> int:
+        """Delete least recently used entries until at most ``target`` bytes remain; the rest."""
+        entries = sorted(self._entries(), key=lambda e: e.used)
+        total = sum(e.size for e in entries)
+        for entry in entries:
+            if total <= target:
+                break
+            lock = self._lock(entry.digest)
+            if not lock.acquire(blocking=False):
+                continue  # being read (zarr) or rewritten: never pulled from under a reader
+            try:
+                total -= _remove(entry.path)
+            finally:
+                lock.release(remove=True)
+            self.counters.evictions += 1
+        return total
+
+    # --- maintenance --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | None]:
+        """This process's counters plus the bytes in the cache and the budget."""
+        with self._usage() as used:
+            size = used[0]
+        return {**self.counters.snapshot(), "used_bytes": size, "max_bytes": self.max_bytes}
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._entries())
+
+    def delete(self, name: str) -> bool:
+        """Remove ``name``'s entry; False when there was none."""
+        digest = self._digest(name)
+        lock = self._lock(digest)
+        lock.acquire()
+        try:
+            freed = _remove(self._path(digest))
+        finally:
+            lock.release(remove=True)
+        self._add_usage(-freed)
+        return freed > 0
+
+    def verify(self) -> VerifyReport:
+        """Read every entry in full; delete the corrupt ones (they are recomputed on next use)."""
+        report = VerifyReport()
+        for entry in self._entries():
+            report.checked += 1
+            try:
+                self._read(entry.digest, entry.path)
+            except FileNotFoundError:
+                continue
+            except CorruptEntryError as exc:
+                report.corrupt.append(self._name_of(entry.path))
+                report.removed_bytes += entry.size
+                self._discard(entry.digest, entry.path, exc)
+        self._remove_stale_tmp()
+        with self._usage() as used:
+            used[0] = self._scan_bytes()
+        return report
+
+    def _name_of(self, path: Path) -> str:
+        try:
+            return self._layout.name_of(path)
+        except (OSError, CorruptEntryError):
+            return path.name  # too damaged to say: the file name (a digest) must do
+
+    def prune(self, max_bytes: int | None = None) -> int:
+        """Evict down to ``max_bytes`` (default: this cache's budget); entries removed."""
+        target = self.max_bytes if max_bytes is None else max_bytes
+        if target is None:
+            raise ConfigError("Cache.prune needs max_bytes (this cache has no budget)")
+        before = self.counters.evictions
+        with self._usage() as used:
+            used[0] = self._evict(target)
+        return self.counters.evictions - before
+
+    def clear(self) -> None:
+        """Remove every entry (the directory stays a fastload cache)."""
+        with self._usage() as used:
+            for sub in ("entries", "locks"):
+                shutil.rmtree(self.root / sub, ignore_errors=True)
+                (self.root / sub).mkdir(mode=0o700)
+            used[0] = 0
+
+
+def _remove(path: Path) -> int:
+    """Delete a file or folder if present; the bytes freed."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            size = entry_bytes(path, True)
+            shutil.rmtree(path, ignore_errors=True)
+            return size
+        size = path.lstat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return size
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return errno.errorcode.get(exc.errno, str(exc.errno)) + ": " + os.strerror(exc.errno)
+    return type(exc).__name__

@@ -1,0 +1,268 @@
+"""Map-style datasets: objects as they are in the store, and a cache around any dataset.
+
+Both implement ``__getitems__``, which torch's DataLoader calls with a whole batch of indices:
+the batch's missing samples are fetched concurrently (one request per object, all in flight at
+once) instead of one after another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+from torch.utils.data import Dataset
+
+from fastload.cache import Cache
+from fastload.config import FetchConfig
+from fastload.errors import ConfigError, DecodeError
+from fastload.fetch import Fetcher, Request
+from fastload.manifest import Entry, Manifest
+from fastload.stats import DatasetStats
+from fastload.stores._perprocess import PerProcessCache
+from fastload.transforms import decoder, fingerprint
+
+__all__ = ["CachedDataset", "RemoteDataset"]
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["raise", "skip"]
+_REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
+_prefetchers: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
+
+
+class RemoteDataset(Dataset[Any]):
+    """The objects under a URL (or in a :class:`Manifest`), decoded, transformed and cached.
+
+    ``dataset[i]`` is ``transform(decode(bytes))``, or ``(sample, label)`` when the manifest
+    has labels (or ``labels=`` joins them: a mapping, CSV or JSON by key).
+
+    cache: a :class:`fastload.Cache`; entries are keyed by object URL, version and the
+        fingerprints of ``decode`` and ``transform``, so a changed object or a changed
+        transform is fetched and computed again.
+    on_error: ``"raise"`` stops at the first object that cannot be fetched or decoded;
+        ``"skip"`` puts another sample of the batch in its place (batches keep their size), logs
+        the key once and lists it in :meth:`stats`.
+    limit: use only the first ``limit`` objects (a quick debug run).
+    """
+
+    def __init__(
+        self,
+        source: str | Manifest,
+        *,
+        decode: str | Callable[[bytes], Any],
+        transform: Callable[[Any], Any] | None = None,
+        cache: Cache | None = None,
+        labels: Mapping[str, int | str] | str | None = None,
+        on_error: OnError = "raise",
+        limit: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        fetch_config: FetchConfig | None = None,
+    ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
+        if cache is not None and not isinstance(cache, Cache):
+            raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
+        if isinstance(source, Manifest):
+            manifest = source
+        elif isinstance(source, str):
+            manifest = Manifest.build(source, storage_options=storage_options)
+        else:
+            raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
+        if labels is not None:
+            manifest = manifest.with_labels(labels)
+        self.manifest = manifest if limit is None else manifest[:limit]
+        if len(self.manifest) == 0:
+            raise ConfigError(f"RemoteDataset has no objects: {manifest.root}")
+        self.decode = decoder(decode)
+        self.transform = transform
+        self.cache = cache
+        self.on_error = on_error
+        self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
+        self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
+        self.counters = DatasetStats()
+
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    def __repr__(self) -> str:
+        return f"RemoteDataset({self.manifest.root!r}, n={len(self)}, cache={self.cache!r})"
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        entries = [self._entry(i) for i in indices]
+        items = self._samples(entries)
+        if any(isinstance(item, BaseException) for item in items):
+            items = self._settle(list(indices), items)
+        self.counters.samples += len(items)
+        return items
+
+    def _entry(self, index: int) -> Entry:
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = int(index)  # numpy and torch integers
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} samples")
+        return self.manifest[index]
+
+    def _samples(self, entries: list[Entry]) -> list[Any]:
+        """Samples (with labels) in order; a failure sits in its slot as an exception."""
+        if self.cache is None:
+            samples = self._produce(entries)
+        else:
+            names = [Cache.name(e.url, e.version, self.fingerprint) for e in entries]
+            samples = self.cache.get_many(
+                names, lambda pos: self._produce([entries[p] for p in pos])
+            )
+        if self.manifest.labels is None:
+            return samples
+        return [
+            s if isinstance(s, BaseException) else (s, e.label)
+            for s, e in zip(samples, entries, strict=True)
+        ]
+
+    def _produce(self, entries: list[Entry]) -> list[Any]:
+        requests = [Request(e.url, size=e.size) for e in entries]
+        bodies = self.fetcher.fetch(requests, return_exceptions=True)
+        return [
+            body if isinstance(body, BaseException) else self._prepare(body, entry.url)
+            for body, entry in zip(bodies, entries, strict=True)
+        ]
+
+    def _prepare(self, body: bytes, url: str) -> Any:
+        started = time.perf_counter()
+        try:
+            sample = self.decode(body)
+            if self.transform is not None:
+                sample = self.transform(sample)
+        except Exception as exc:  # the user's code: name the object, keep the cause
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            return DecodeError(f"cannot decode or transform the object ({reason})", url=url)
+        finally:
+            self.counters.prepare.add(time.perf_counter() - started)
+        return sample
+
+    def _settle(self, indices: list[int], items: list[Any]) -> list[Any]:
+        """Raise the first failure, or (on_error="skip") put stand-ins in the failed slots."""
+        failed = [i for i, item in enumerate(items) if isinstance(item, BaseException)]
+        if self.on_error == "raise":
+            raise items[failed[0]]
+        for i in failed:
+            self._skip(items[i])
+        good = [item for item in items if not isinstance(item, BaseException)]
+        if not good:
+            good = self._stand_ins(indices[0])
+        return [
+            good[i % len(good)] if isinstance(item, BaseException) else item
+            for i, item in enumerate(items)
+        ]
+
+    def _skip(self, error: BaseException) -> None:
+        key = str(getattr(error, "url", "") or error)
+        self.counters.skipped += 1
+        if key not in self.counters.skipped_keys:
+            self.counters.skipped_keys.append(key)
+            log.warning("skipping a sample (on_error='skip'): %s", error)
+
+    def _stand_ins(self, index: int) -> list[Any]:
+        """Samples after ``index`` for a batch in which every sample failed."""
+        n = len(self)
+        for step in range(1, _REPLACE_ROUNDS + 1):
+            candidates = [(index + step * k) % n for k in range(1, 5)]
+            items = self._samples([self.manifest[c] for c in candidates])
+            for item in items:
+                if isinstance(item, BaseException):
+                    self._skip(item)
+            good = [item for item in items if not isinstance(item, BaseException)]
+            if good:
+                return good
+        raise ConfigError(
+            f"on_error='skip' found no readable sample near index {index} after "
+            f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.skipped_keys[:5]}"
+        )
+
+    def prefetch(self, indices: Sequence[int]) -> Future[None]:
+        """Fetch and cache ``indices`` in the background (needs a cache); later reads hit.
+
+        A loader that knows the sampler's order calls this for the batches ahead.
+        """
+        if self.cache is None:
+            raise ConfigError("RemoteDataset.prefetch needs a cache to keep what it fetches")
+        executor = _prefetchers.get("prefetch", lambda: ThreadPoolExecutor(2, "fastload-prefetch"))
+        entries = [self._entry(i) for i in indices]
+
+        def run() -> None:
+            self._samples(entries)
+
+        return executor.submit(run)
+
+    def stats(self) -> dict[str, Any]:
+        """This process's counters: samples, skips, preprocessing time, fetch and cache."""
+        out: dict[str, Any] = self.counters.snapshot()
+        out["fetch"] = self.fetcher.stats.snapshot()
+        if self.cache is not None:
+            out["cache"] = self.cache.stats()
+        return out
+
+
+class CachedDataset(Dataset[Any]):
+    """Any map-style dataset whose samples are computed once, then served from ``cache``.
+
+    key: ``key(index)`` names a sample (default: its index). Give one when the order of the
+        wrapped dataset can change between runs (e.g. ``lambda i: files[i]``).
+    version: bump it when the wrapped dataset's output changes; by default its class name and
+        a hash of its ``__getitem__`` code are used (edits to what that calls are not seen).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        cache: Cache,
+        *,
+        key: Callable[[int], str] | None = None,
+        version: str | None = None,
+    ) -> None:
+        if not isinstance(cache, Cache):
+            raise ConfigError(f"CachedDataset cache must be a fastload.Cache, got {cache!r}")
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                "CachedDataset wraps a map-style dataset (with __getitem__ and __len__), "
+                f"got {dataset!r}"
+            )
+        self.dataset = dataset
+        self.cache = cache
+        self.key = key
+        kind = type(dataset)
+        self.fingerprint = (
+            version or f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}"
+        )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __repr__(self) -> str:
+        return f"CachedDataset({self.dataset!r}, {self.cache!r})"
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        names = [Cache.name(self._name(i), "", self.fingerprint) for i in indices]
+        return self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
+
+    def _name(self, index: int) -> str:
+        return self.key(index) if self.key is not None else f"index:{int(index)}"
+
+    def _compute(self, indices: list[int]) -> list[Any]:
+        many = getattr(self.dataset, "__getitems__", None)
+        if many is not None:
+            return list(many(indices))
+        return [self.dataset[i] for i in indices]
+
+    def stats(self) -> dict[str, Any]:
+        return {"cache": self.cache.stats()}
