@@ -6,11 +6,23 @@ the path now names another file (or none) and tries again, so two holders never 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
 
-__all__ = ["FileLock"]
+__all__ = ["FileLock", "private_dirs"]
+
+
+def private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parents, each owner-only (mkdir's ``parents=True`` gives
+    the parents the default mode)."""
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    private_dirs(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)
 
 
 class FileLock:
@@ -53,5 +65,5 @@ class FileLock:
         try:
             return os.open(self.path, flags, 0o600)
         except FileNotFoundError:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dirs(self.path.parent)
             return os.open(self.path, flags, 0o600)

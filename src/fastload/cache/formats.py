@@ -35,6 +35,7 @@ import torch
 from crc32c import crc32c
 
 from fastload._extras import import_extra
+from fastload.cache._locks import private_dirs
 from fastload.cache._tree import Leaf, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.stores._perprocess import PerProcessCache
@@ -168,7 +169,16 @@ def _parse_header(buffer: np.ndarray, path: Path) -> dict[str, Any]:
 
 
 def _leaf_kinds(leaves: list[Leaf]) -> list[str]:
-    return ["t" if isinstance(leaf, torch.Tensor) else "n" for leaf in leaves]
+    """"t" for a tensor, else the array's dtype (its byte order included)."""
+    return [
+        "t" if isinstance(leaf, torch.Tensor) else np.lib.format.dtype_to_descr(leaf.dtype)
+        for leaf in leaves
+    ]
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (unlike np.ascontiguousarray)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 class PtFormat(_FileFormat):
@@ -185,7 +195,10 @@ class PtFormat(_FileFormat):
         tensors = torch.load(io.BytesIO(blobs[0].data), weights_only=True, map_location="cpu")
         if not isinstance(tensors, list) or len(tensors) != len(header["kinds"]):
             raise ValueError("the .pt blob does not match its header")
-        return [t if k == "t" else t.numpy() for t, k in zip(tensors, header["kinds"], strict=True)]
+        return [
+            t if k == "t" else t.numpy().astype(np.lib.format.descr_to_dtype(k), copy=False)
+            for t, k in zip(tensors, header["kinds"], strict=True)
+        ]
 
 
 def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
@@ -193,7 +206,8 @@ def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
         # torch.save writes a view's whole storage; keep only the view.
         return leaf.clone() if leaf.untyped_storage().nbytes() != leaf.nbytes else leaf
     try:
-        return torch.from_numpy(np.ascontiguousarray(leaf))
+        native = leaf.astype(leaf.dtype.newbyteorder("="), copy=False)
+        return torch.from_numpy(_contiguous(native))
     except TypeError as exc:
         raise UnsupportedSampleError(
             f"array leaf {index} has dtype {leaf.dtype}, which format 'pt' cannot hold"
@@ -214,7 +228,7 @@ class NpyFormat(_FileFormat):
                     {"torch": str(leaf.dtype).removeprefix("torch."), "shape": [*leaf.shape]}
                 )
             else:
-                array = np.ascontiguousarray(leaf)
+                array = _contiguous(leaf)
                 flat = array.reshape(-1).view(np.uint8)
                 arrays.append(
                     {"dtype": np.lib.format.dtype_to_descr(array.dtype), "shape": [*array.shape]}
@@ -327,7 +341,7 @@ def _block(array: np.ndarray, chunks: list[int], index: tuple[int, ...]) -> np.n
     """Chunk ``index`` of ``array``, padded with zeros (the fill value) to the full chunk shape."""
     part = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks, strict=True))]
     if list(part.shape) == chunks:
-        return np.ascontiguousarray(part)
+        return _contiguous(part)
     block = np.zeros(chunks, array.dtype)
     block[tuple(slice(0, n) for n in part.shape)] = part
     return block
@@ -352,7 +366,7 @@ def _zarr_array(leaf: Leaf, index: int) -> np.ndarray:
         raise UnsupportedSampleError(
             f"array leaf {index} has dtype {leaf.dtype}, which format 'zarr' cannot hold"
         )
-    return np.ascontiguousarray(leaf, dtype=leaf.dtype.newbyteorder("<"))
+    return _contiguous(leaf.astype(leaf.dtype.newbyteorder("<"), copy=False))
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
@@ -390,7 +404,7 @@ class ZarrArray:
     def __getitem__(self, key: Any) -> np.ndarray | torch.Tensor:
         region, drop = _region(key, self.shape)
         out = self.read(region)[tuple(0 if d else slice(None) for d in drop)]
-        return torch.from_numpy(np.ascontiguousarray(out)) if self.as_tensor else out
+        return torch.from_numpy(_contiguous(out)) if self.as_tensor else out
 
     def read(self, region: Sequence[slice] | None = None) -> np.ndarray:
         """The array, or the ``region`` of it (one non-negative slice per axis)."""
@@ -404,7 +418,7 @@ class ZarrArray:
                 lo, hi = max(r.start, i * c), min(r.stop, (i + 1) * c)
                 src.append(slice(lo - i * c, hi - i * c))
                 dst.append(slice(lo - r.start, hi - r.start))
-            target = out[tuple(dst)]
+            target = out[(*dst, ...)]  # a view, even of a 0-d array
             whole = list(target.shape) == list(self.chunks)
             pieces = _runs(target) if whole and not self.compressed else None
             if pieces is not None:
@@ -469,7 +483,9 @@ class ZarrArray:
 
 def _runs(view: np.ndarray, limit: int = 64) -> list[np.ndarray] | None:
     """``view`` as at most ``limit`` C-contiguous pieces in order, or None."""
-    for k in range(view.ndim + 1):
+    if view.flags.c_contiguous:
+        return [view]
+    for k in range(1, view.ndim):  # sub-views of the first k axes, each at least 1-d
         lead = view.shape[:k]
         if math.prod(lead) > limit:
             return None
@@ -490,6 +506,9 @@ def _scratch_buffer(name: str, nbytes: int) -> np.ndarray:
 def _region(key: Any, shape: tuple[int, ...]) -> tuple[list[slice], list[bool]]:
     """Basic indexing (ints and step-1 slices) as one slice per axis, plus which axes to drop."""
     parts = key if isinstance(key, tuple) else (key,)
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts = (*parts[:at], *[slice(None)] * (len(shape) - len(parts) + 1), *parts[at + 1 :])
     if len(parts) > len(shape):
         raise IndexError(f"too many indices for an array of shape {shape}")
     region, drop = [], []
@@ -535,7 +554,7 @@ class ZarrFormat(Format):
             _write_json(path / str(i) / "zarr.json", _array_meta(meta))
             for index, block in blocks:
                 target = path / str(i) / _chunk_key(index)
-                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                private_dirs(target.parent)
                 jobs.append((block, meta["compressed"], target))
         attributes = {"name": name, "spec": spec, "kinds": _leaf_kinds(leaves), "arrays": metas}
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"fastload": attributes}}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fastload.cache._locks import FileLock
+from fastload.cache._locks import FileLock, private_dirs
 from fastload.cache._tree import unflatten
 from fastload.cache.formats import FORMATS, Format, ZarrFormat, entry_bytes
 from fastload.errors import CacheError, ConfigError, CorruptEntryError
@@ -112,14 +112,14 @@ class Cache:
     def _prepare(self) -> None:
         marker = self.root / _MARKER
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dirs(self.root)
             if not marker.exists():
                 if any(self.root.iterdir()):
                     raise CacheError(
                         f"{self.root} is not empty and is not a fastload cache; "
                         "choose a new or empty directory"
                     )
-                (self.root / "CACHEDIR.TAG").write_text(_TAG)
+                _atomic_text(self.root / "CACHEDIR.TAG", _TAG)
                 _atomic_text(marker, json.dumps({"layout": _LAYOUT}))
             elif json.loads(marker.read_text()).get("layout") != _LAYOUT:
                 raise CacheError(f"{self.root} holds a cache of another fastload layout")
@@ -289,7 +289,7 @@ class Cache:
                 if out[i] is _MISSING:
                     left[i] = lock
                 else:
-                    lock.release()
+                    lock.release(remove=True)
         except BaseException:
             for lock in left.values():
                 lock.release()
@@ -311,6 +311,8 @@ class Cache:
                 out[i] = self._load(digests[i], held=True)  # done between our read and lock?
                 if out[i] is _MISSING:
                     todo.append(i)
+                else:
+                    self.counters.waits += 1
             if not todo:
                 return
             values = list(compute(todo))
@@ -343,7 +345,7 @@ class Cache:
                 self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
                 return
             path = self._path(digest)
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dirs(path.parent)
             with self._usage() as used:
                 if self.max_bytes is not None and used[0] + size > self.max_bytes:
                     used[0] = self._evict(int(self.max_bytes * _LOW_WATER) - size)

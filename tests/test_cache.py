@@ -1,0 +1,505 @@
+"""fastload.Cache: formats, atomicity, single-flight across processes, budget, repair, safety."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
+from fastload.cache import formats
+from fastload.cache._locks import FileLock
+
+FORMATS = ["pt", "npy", "zarr"]
+
+
+def sample() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "image": torch.from_numpy(rng.random((3, 20, 30), dtype=np.float32)),
+        "mask": rng.random((20, 30)) > 0.5,
+        "ids": torch.arange(7, dtype=torch.int64),
+        "big_endian": np.arange(6, dtype=">i4").reshape(2, 3),
+        "strided": np.arange(40, dtype=np.int16).reshape(4, 10)[:, ::3],
+        "scalar0d": np.array(5, np.int64),
+        "empty": np.zeros((0, 3), np.float64),
+        "meta": ("a", None, b"\x00\xff", 3, 2.5, True, np.float32(1.5), np.int64(-3)),
+        "nested": [{"x": torch.ones(2, dtype=torch.uint8)}, 7],
+        0: "int key",
+    }
+
+
+def assert_same(a: Any, b: Any, byte_order: bool = True) -> None:
+    """Equal values, types and dtypes (byte order aside when ``byte_order`` is False)."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        dtypes = (a.dtype, b.dtype) if byte_order else (a.dtype.newbyteorder("="), b.dtype.newbyteorder("="))
+        assert dtypes[0] == dtypes[1] and a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k], byte_order)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y, byte_order)
+    else:
+        assert a == b
+
+
+def entry_files(cache: Cache) -> list[Path]:
+    return [p for p in (cache.root / "entries").glob("*/*/*")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_round_trips_nested_samples(tmp_path: Path, fmt: str) -> None:
+    cache = Cache(tmp_path / "c", format=fmt)  # type: ignore[arg-type]
+    cache.put("s", sample())
+    got = cache.get("s")
+    assert_same(sample(), got, byte_order=fmt != "zarr")  # zarr stores little-endian
+    for leaf in (got["image"], got["mask"]):  # writable, so in-place transforms work
+        leaf[..., 0] = 0
+    assert Cache(tmp_path / "c", format=fmt).get("s") is not None  # another instance reads it
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npy"])
+def test_torch_only_dtypes_round_trip(tmp_path: Path, fmt: str) -> None:
+    cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    value = torch.randn(4, 5).to(torch.bfloat16)
+    cache.put("bf16", value)
+    assert torch.equal(cache.get("bf16"), value)
+
+
+def test_zarr_refuses_dtypes_zarr_lacks_with_a_hint(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="zarr")
+    with pytest.raises(UnsupportedSampleError, match=r"bfloat16.*format='pt' or 'npy'"):
+        cache.put("bf16", torch.zeros(3, dtype=torch.bfloat16))
+    assert entry_files(cache) == [] and list((cache.root / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"img": object()}, r"sample\['img'\] is a builtins\.object"),
+        ([1, {"k": {1, 2}}], r"sample\[1\]\['k'\] is a builtins\.set"),
+        (np.array(["a", None], dtype=object), r"object array"),
+        ({(1, 2): 3}, r"key of type tuple"),
+    ],
+)
+def test_unsupported_values_are_named(tmp_path: Path, fmt: str, value: Any, message: str) -> None:
+    cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedSampleError, match=message):
+        cache.put("x", value)
+
+
+def test_zarr_entries_are_plain_zarr_v3(tmp_path: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    cache = Cache(tmp_path, format="zarr")
+    volume = np.random.default_rng(1).random((20, 70, 90), dtype=np.float32)
+    background = np.zeros((50, 50), np.int16)  # compresses well: stored with Blosc
+    cache.put("v", {"volume": volume, "background": background})
+    (group_path,) = entry_files(cache)
+    group = zarr.open_group(group_path, mode="r")
+    assert np.array_equal(group["0"][...], volume)
+    assert np.array_equal(group["1"][...], background)
+    codecs = [c["name"] for c in json.loads((group_path / "1" / "zarr.json").read_text())["codecs"]]
+    assert codecs == ["bytes", "blosc", "crc32c"]
+
+
+def test_zarr_crops_read_only_what_they_touch(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="zarr")
+    volume = np.random.default_rng(2).random((64, 96, 128), dtype=np.float32)
+    cache.put("v", volume)
+    rng = np.random.default_rng(3)
+    with cache.open("v") as lazy:
+        assert lazy.shape == volume.shape
+        for _ in range(20):
+            lo = [int(rng.integers(0, n - 1)) for n in volume.shape]
+            hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, volume.shape, strict=True)]
+            key = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+            assert np.array_equal(lazy[key], volume[key])
+        assert np.array_equal(lazy[5, :, -3], volume[5, :, -3])
+        assert np.array_equal(lazy[-1], volume[-1])
+        with pytest.raises(IndexError):
+            lazy[::2]
+    with pytest.raises(KeyError):
+        with cache.open("absent"):
+            pass
+    with pytest.raises(ConfigError, match="zarr"):
+        with Cache(tmp_path / "pt").open("v"):
+            pass
+
+
+def test_chunks_keep_rows_whole_and_fit_the_target() -> None:
+    assert formats.chunk_shape([64, 384, 384], 4) == [16, 24, 384]
+    assert formats.chunk_shape([3, 224, 224], 1) == [3, 224, 224]
+    assert formats.chunk_shape([10, 1_000_000], 4, target=1 << 20) == [1, 250_000]
+    assert formats.chunk_shape([], 8) == []
+
+
+# --- keys and layout ----------------------------------------------------------------------------
+
+
+def test_names_cannot_escape_the_cache_dir(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    cache = Cache(root, format="npy")
+    for name in ["../../etc/passwd", "/abs/path", "a\x00b", "ü/\\..\n"]:
+        cache.put(name, np.zeros(2))
+        assert cache.get(name) is not None
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(root in p.parents for p in files)
+    assert not (tmp_path / "etc").exists()
+
+
+def test_files_and_dirs_are_owner_only(tmp_path: Path) -> None:
+    for fmt in FORMATS:
+        cache = Cache(tmp_path / fmt, format=fmt)  # type: ignore[arg-type]
+        cache.put("x", np.ones((4, 4)))
+        for path in cache.root.rglob("*"):
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode & 0o077 == 0, f"{path} has mode {oct(mode)}"
+
+
+def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "c", format="pt")
+    cache.put("x", torch.ones(2))
+    (path,) = entry_files(cache)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    blob = io.BytesIO()
+    torch.save([Evil()], blob)
+    writer = formats.PtFormat()  # a valid container, checksum and all, around a hostile pickle
+    writer._encode = lambda leaves: ({"kinds": ["t"], "sizes": [blob.tell()]}, [blob.getbuffer()])  # type: ignore[method-assign]
+    path.unlink()
+    writer.write(torch.ones(2), "x", path)
+    assert cache.get("x") is None  # refused by weights_only, then deleted as corrupt
+    assert not marker.exists()
+    assert cache.counters.repairs == 1 and not path.exists()
+
+
+def test_a_folder_that_is_not_a_cache_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("precious")
+    with pytest.raises(CacheError, match="not a fastload cache"):
+        Cache(tmp_path / "home")
+    cache = Cache(tmp_path / "c")
+    cache.put("a", np.zeros(3))
+    cache.clear()
+    assert cache.get("a") is None and len(cache) == 0
+    Cache(tmp_path / "c")  # still a cache after clear()
+
+
+def test_a_cache_under_a_file_is_a_named_cache_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CacheError, match=r"cannot use .*file/c as a cache \(ENOTDIR"):
+        Cache(tmp_path / "file" / "c")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_a_read_only_cache_dir_is_a_named_cache_error(tmp_path: Path) -> None:
+    Cache(tmp_path / "c")
+    (tmp_path / "c" / "tmp").chmod(0o500)
+    try:
+        with pytest.raises(CacheError, match="not writable"):
+            Cache(tmp_path / "c")
+    finally:
+        (tmp_path / "c" / "tmp").chmod(0o700)
+
+
+def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="format must be one of"):
+        Cache(tmp_path, format="hdf5")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_bytes"):
+        Cache(tmp_path, max_bytes=0)
+    with pytest.raises(ConfigError, match="max_bytes"):
+        Cache(tmp_path, max_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prune needs max_bytes"):
+        Cache(tmp_path).prune()
+
+
+def test_the_cache_pickles_for_dataloader_workers(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy", max_bytes=10_000)
+    cache.put("a", np.arange(3))
+    clone = pickle.loads(pickle.dumps(cache))
+    assert np.array_equal(clone.get("a"), np.arange(3))
+
+
+# --- disk full, crashes, leftovers --------------------------------------------------------------
+
+
+def test_disk_full_is_a_clear_error_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = Cache(tmp_path / "c", format="npy")
+    real = formats._create
+
+    class Full(io.RawIOBase):
+        def __init__(self, path: Path) -> None:
+            self.inner = real(path)
+            self.written = 0
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            self.written += memoryview(data).nbytes
+            if self.written > 1000:  # the device fills up part-way through the entry
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.inner.write(data)
+
+        def close(self) -> None:
+            self.inner.close()
+            super().close()
+
+    monkeypatch.setattr(formats, "_create", Full)
+    with pytest.raises(CacheError, match=r"cache entry for s3://b/big.*ENOSPC"):
+        cache.put("s3://b/big", np.zeros(10_000))
+    assert entry_files(cache) == []
+    assert list((cache.root / "tmp").iterdir()) == []
+    monkeypatch.setattr(formats, "_create", real)
+    cache.put("s3://b/big", np.zeros(10_000))  # space again: works
+
+
+WRITER = """
+import sys, numpy as np
+from fastload import Cache
+cache = Cache(sys.argv[1], format=sys.argv[2])
+i = 0
+while True:
+    cache.put(f"k{i % 7}", {"a": np.full((256, 1024), i, np.float32), "i": i})
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_writer_killed_mid_write_leaves_no_partial_entry(tmp_path: Path, fmt: str) -> None:
+    root = tmp_path / "c"
+    Cache(root, format=fmt)  # type: ignore[arg-type]
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), fmt])
+        deadline = time.monotonic() + 60
+        while not any((root / "tmp").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it is writing
+        time.sleep(float(rng.random()) * 0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    cache = Cache(root, format=fmt)  # type: ignore[arg-type]
+    assert list((root / "tmp").iterdir()) == []  # the dead writers' temp files are gone
+    report = cache.verify()
+    assert report.corrupt == [] and report.checked >= 1
+    for i in range(7):
+        value = cache.get(f"k{i}")
+        if value is not None:
+            assert np.all(np.asarray(value["a"]) == value["i"])
+
+
+# --- single flight ------------------------------------------------------------------------------
+
+CONTENDER = """
+import sys, time, numpy as np
+from pathlib import Path
+from fastload import Cache
+cache = Cache(sys.argv[1], format=sys.argv[2])
+log = Path(sys.argv[3])
+print("ready", flush=True)
+while not Path(sys.argv[4]).exists():
+    time.sleep(0.005)
+def compute(positions):
+    with log.open("a") as f:
+        f.write(" ".join(names[p] for p in positions) + "\\n")
+    time.sleep(0.3)
+    return [np.full(50_000, int(names[p][1:]), np.int64) for p in positions]
+names = [f"k{i}" for i in range(8)]
+values = cache.get_many(names, compute)
+assert all(np.all(v == i) for i, v in enumerate(values)), "wrong value"
+print(cache.counters.hits + cache.counters.waits)
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_processes_missing_the_same_keys_compute_each_once(tmp_path: Path, fmt: str) -> None:
+    root, log, go = tmp_path / "c", tmp_path / "computed.log", tmp_path / "go"
+    Cache(root, format=fmt)  # type: ignore[arg-type]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONTENDER, str(root), fmt, str(log), str(go)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    go.touch()  # all at once
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0]
+    computed = log.read_text().split()
+    assert sorted(computed) == [f"k{i}" for i in range(8)]  # each key exactly once on the node
+    assert sum(int(out.split()[-1]) for out in outputs) == 3 * 8  # the rest read or waited
+    locks = list((root / "locks").rglob("*.lock"))
+    if fmt != "zarr":
+        assert locks == []  # no lock file left behind
+    entries = {p.name.split(".")[0] for p in (root / "entries").glob("*/*/*")}
+    for path in locks:  # zarr readers lock too; their files go with the entry, none stays held
+        assert path.stem in entries
+        lock = FileLock(path)
+        assert lock.acquire(blocking=False)
+        lock.release()
+
+
+def test_a_failed_compute_leaves_the_key_to_the_next_caller(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+
+    def broken() -> Any:
+        raise RuntimeError("decoder crashed")
+
+    with pytest.raises(RuntimeError, match="decoder crashed"):
+        cache.get_or_compute("k", broken)
+    assert cache.get_or_compute("k", lambda: np.ones(2)).sum() == 2
+    values = cache.get_many(["k", "e"], lambda pos: [ValueError("bad object")])
+    assert isinstance(values[1], ValueError) and "e" not in cache  # errors are not cached
+
+
+def test_duplicate_names_in_one_call_are_computed_once(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    seen: list[list[int]] = []
+
+    def compute(positions: list[int]) -> list[Any]:
+        seen.append(positions)
+        return [np.full(3, p) for p in positions]
+
+    values = cache.get_many(["a", "b", "a"], compute)
+    assert seen == [[0, 1]] and np.array_equal(values[2], values[0])
+
+
+# --- integrity ----------------------------------------------------------------------------------
+
+
+def damage(path: Path, how: str, rng: np.random.Generator) -> None:
+    if path.is_dir():  # zarr: damage one chunk
+        path = max(
+            (p for p in path.rglob("*") if p.is_file() and "c" in p.parts),
+            key=lambda p: p.stat().st_size,
+        )
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        data = data[: int(rng.integers(0, len(data)))]
+    else:
+        data[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_entries_are_detected_deleted_and_recomputed(
+    tmp_path: Path, fmt: str, how: str
+) -> None:
+    cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    rng = np.random.default_rng(5)
+    names = [f"k{i}" for i in range(20)]
+    for i, name in enumerate(names):
+        cache.put(name, np.random.default_rng(i).random((64, 64)))
+    paths = {p.name.split(".")[0]: p for p in entry_files(cache)}
+    victims = sorted(paths)[:5]
+    for digest in victims:
+        damage(paths[digest], how, rng)
+    recomputed = cache.get_many(
+        names, lambda pos: [np.random.default_rng(p).random((64, 64)) for p in pos]
+    )
+    for i, value in enumerate(recomputed):
+        assert np.array_equal(value, np.random.default_rng(i).random((64, 64)))
+    assert cache.counters.repairs == 5
+    assert cache.verify().corrupt == []
+
+
+def test_verify_finds_reports_and_removes_corrupt_entries(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy")
+    for i in range(10):
+        cache.put(f"s3://bucket/obj{i}", np.arange(100) * i)
+    rng = np.random.default_rng(6)
+    for path in entry_files(cache)[:3]:
+        damage(path, "flip", rng)
+    report = cache.verify()
+    assert report.checked == 10 and len(report.corrupt) == 3
+    assert all(name.startswith("s3://bucket/obj") or len(name) > 30 for name in report.corrupt)
+    assert len(cache) == 7 and cache.verify().corrupt == []
+
+
+# --- budget -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_budget_evicts_least_recently_used_first(tmp_path: Path, fmt: str) -> None:
+    one = np.random.default_rng(7).random(10_000)  # ~80 KB
+    cache = Cache(tmp_path, format=fmt, max_bytes=500_000)  # type: ignore[arg-type]
+    cache.put("keep", one)
+    for i in range(20):
+        time.sleep(0.01)
+        cache.get("keep")  # read again and again: the most recently used
+        cache.put(f"k{i}", one)
+        assert cache.stats()["used_bytes"] <= 500_000
+    assert cache.get("keep") is not None
+    assert cache.get("k0") is None
+    assert cache.counters.evictions > 0
+    used = cache.stats()["used_bytes"]
+    assert used == sum(formats.entry_bytes(p, fmt == "zarr") for p in entry_files(cache))
+
+
+def test_an_entry_being_read_is_never_evicted(tmp_path: Path) -> None:
+    volume = np.random.default_rng(8).random((32, 64, 64), dtype=np.float32)  # 512 KB
+    cache = Cache(tmp_path, format="zarr", max_bytes=1_200_000)
+    cache.put("reading", volume)
+    with cache.open("reading") as lazy:
+        for i in range(4):
+            cache.put(f"other{i}", volume)  # over budget: eviction runs while we read
+        assert np.array_equal(lazy[...], volume)
+    assert "reading" in cache
+
+
+def test_a_sample_bigger_than_the_budget_is_served_but_not_cached(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy", max_bytes=1000)
+    value = cache.get_or_compute("huge", lambda: np.zeros(10_000))
+    assert value.shape == (10_000,) and "huge" not in cache
+    assert cache.counters.oversize == 1
+
+
+def test_prune_evicts_down_to_a_size(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy")
+    for i in range(10):
+        cache.put(f"k{i}", np.zeros(1000))
+    removed = cache.prune(max_bytes=30_000)
+    assert removed >= 6 and cache.stats()["used_bytes"] <= 30_000
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = cache.root / "tmp" / f"abc.{dead.stdout.strip()}.1234"
+    stale.write_bytes(b"half an entry")
+    live = cache.root / "tmp" / f"abc.{os.getpid()}.5678"
+    live.write_bytes(b"being written")
+    Cache(tmp_path)
+    assert not stale.exists() and live.exists()
