@@ -48,7 +48,11 @@ def assert_same(a: Any, b: Any, byte_order: bool = True) -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     elif isinstance(a, np.ndarray):
-        dtypes = (a.dtype, b.dtype) if byte_order else (a.dtype.newbyteorder("="), b.dtype.newbyteorder("="))
+        dtypes = (
+            (a.dtype, b.dtype)
+            if byte_order
+            else (a.dtype.newbyteorder("="), b.dtype.newbyteorder("="))
+        )
         assert dtypes[0] == dtypes[1] and a.shape == b.shape and np.array_equal(a, b)
     elif isinstance(a, dict):
         assert list(a) == list(b)
@@ -138,12 +142,10 @@ def test_zarr_crops_read_only_what_they_touch(tmp_path: Path) -> None:
         assert np.array_equal(lazy[-1], volume[-1])
         with pytest.raises(IndexError):
             lazy[::2]
-    with pytest.raises(KeyError):
-        with cache.open("absent"):
-            pass
-    with pytest.raises(ConfigError, match="zarr"):
-        with Cache(tmp_path / "pt").open("v"):
-            pass
+    with pytest.raises(KeyError), cache.open("absent"):
+        pass
+    with pytest.raises(ConfigError, match="zarr"), Cache(tmp_path / "pt").open("v"):
+        pass
 
 
 def test_chunks_keep_rows_whole_and_fit_the_target() -> None:
@@ -495,7 +497,10 @@ def test_prune_evicts_down_to_a_size(tmp_path: Path) -> None:
 def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
     dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     stale = cache.root / "tmp" / f"abc.{dead.stdout.strip()}.1234"
     stale.write_bytes(b"half an entry")

@@ -83,11 +83,14 @@ class UnsupportedSampleError(FastloadError, TypeError):
 
 
 class DecodeError(FastloadError, ValueError):
-    """An object's bytes could not be decoded or transformed; ``url`` names the object."""
+    """An object's bytes could not be decoded or transformed; ``url`` names the object.
 
-    def __init__(self, message: str, *, url: str) -> None:
+    (``url`` is optional so torch's DataLoader can re-raise it from a worker as itself.)
+    """
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
         self.url = url
-        super().__init__(f"{message}: {url}")
+        super().__init__(f"{message}: {url}" if url else message)
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (type(self), self.args[0], self.url))

@@ -35,8 +35,9 @@ def _flatten(value: Any, leaves: list[Leaf], where: str) -> Spec:
         leaves.append(value.detach().cpu())
         return ["t", len(leaves) - 1]
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise UnsupportedSampleError(f"{where} is an object array; only numeric arrays")
+        if value.dtype.hasobject or value.dtype.fields is not None:
+            kind = "an object" if value.dtype.hasobject else "a structured"
+            raise UnsupportedSampleError(f"{where} is {kind} array; only plain numeric arrays")
         leaves.append(value)
         return ["n", len(leaves) - 1]
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":

@@ -169,9 +169,9 @@ def _parse_header(buffer: np.ndarray, path: Path) -> dict[str, Any]:
 
 
 def _leaf_kinds(leaves: list[Leaf]) -> list[str]:
-    """"t" for a tensor, else the array's dtype (its byte order included)."""
+    """ "t" for a tensor, else the array's dtype (its byte order included)."""
     return [
-        "t" if isinstance(leaf, torch.Tensor) else np.lib.format.dtype_to_descr(leaf.dtype)
+        "t" if isinstance(leaf, torch.Tensor) else str(np.lib.format.dtype_to_descr(leaf.dtype))
         for leaf in leaves
     ]
 
@@ -413,12 +413,13 @@ class ZarrArray:
         blosc = _blosc()
 
         def one(index: tuple[int, ...]) -> None:
-            src, dst = [], []
+            src: list[Any] = []
+            dst: list[Any] = []
             for i, r, c in zip(index, region, self.chunks, strict=True):
                 lo, hi = max(r.start, i * c), min(r.stop, (i + 1) * c)
                 src.append(slice(lo - i * c, hi - i * c))
                 dst.append(slice(lo - r.start, hi - r.start))
-            target = out[(*dst, ...)]  # a view, even of a 0-d array
+            target = out[tuple([*dst, Ellipsis])]  # a view, even of a 0-d array
             whole = list(target.shape) == list(self.chunks)
             pieces = _runs(target) if whole and not self.compressed else None
             if pieces is not None:

@@ -6,6 +6,10 @@ when obstore is installed and the ``storage_options`` say everything it needs (e
 AWS_* variables, a known region or endpoint); anything else keeps the general s3fs path.
 Retries stay in :mod:`fastload.fetch` (obstore's own are switched off) so every attempt is
 counted and backed off the same way on every store.
+
+obstore's async runtime does not survive ``fork``: a child forked after the parent used it
+(a DataLoader worker under the default start method) would hang on its first read. Such a child
+takes the s3fs path instead; children started by spawn or forkserver keep the fast path.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _CONFIG_KWARGS = {"max_pool_connections", "s3"}
 
 _stores: PerProcessCache[tuple[str, str], Any] = PerProcessCache()
+_runtime = {"started": False, "inherited": False}
+
+
+def _after_fork_in_child() -> None:
+    _runtime["inherited"] = _runtime["inherited"] or _runtime["started"]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _obstore() -> Any:
@@ -87,12 +99,16 @@ def fast_store(scheme: str, bucket: str, options: Mapping[str, Any], key: str) -
     obstore = _obstore() if scheme == "s3" else None
     if obstore is None:
         return None
+    if _runtime["inherited"]:
+        log.debug("s3://%s: forked after obstore ran in the parent; fast path off", bucket)
+        return None
 
     def create() -> Any:
         kwargs = _s3_kwargs(options)
         if kwargs is None:
             log.debug("s3://%s: these storage_options need s3fs; fast path off", bucket)
             return None
+        _runtime["started"] = True
         return obstore.store.S3Store(bucket, **kwargs)
 
     return _stores.get((bucket, key), create)

@@ -20,10 +20,14 @@ class PerProcessCache(Generic[K, V]):
         self._lock = threading.Lock()
         self._items: dict[K, V] = {}
         self._pid = os.getpid()
+        self._inherited: list[dict[K, V]] = []
 
     def get(self, key: K, create: Callable[[], V]) -> V:
         with self._lock:
             if self._pid != os.getpid():
+                # Keep the parent's objects alive but unused: collecting them here would run
+                # their finalizers (s3fs closes its session) on connections the parent still uses.
+                self._inherited.append(self._items)
                 self._items = {}
                 self._pid = os.getpid()
             if key not in self._items:

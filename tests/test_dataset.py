@@ -1,0 +1,257 @@
+"""RemoteDataset and CachedDataset against real loopback stores, torch's DataLoader, the cache."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from fastload import (
+    Cache,
+    CachedDataset,
+    ConfigError,
+    DecodeError,
+    Manifest,
+    ObjectNotFoundError,
+    RemoteDataset,
+    versioned,
+)
+from fastload.stores import filesystem
+from fastload.testing import B2Server, FakeGcsServer, S3Server
+from tests.conftest import BUCKET
+
+
+def npy(value: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, value)
+    return out.getvalue()
+
+
+def upload(
+    url_root: str, options: dict[str, Any], n: int, *, shape: tuple[int, ...] = (4, 5)
+) -> str:
+    fs = filesystem(url_root, options)
+    base = url_root.split("://", 1)[1].rstrip("/")
+    fs.pipe({f"{base}/{i:04d}.npy": npy(np.full(shape, i, np.float32)) for i in range(n)})
+    return url_root
+
+
+@pytest.fixture
+def s3_root(seaweed: S3Server) -> tuple[str, dict[str, Any]]:
+    options = seaweed.storage_options()
+    return upload(f"s3://{BUCKET}/ds-{uuid.uuid4().hex[:8]}", options, 40), options
+
+
+def value_of(item: Any) -> int:
+    sample = item[0] if isinstance(item, tuple) else item
+    return int(np.asarray(sample).flat[0])
+
+
+def test_a_dataloader_epoch_over_s3_fetches_each_batch_concurrently(
+    s3_root: tuple[str, dict[str, Any]],
+) -> None:
+    root, options = s3_root
+    dataset = RemoteDataset(root, decode="npy", storage_options=options)
+    loader = DataLoader(
+        dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    seen = [int(v) for batch in loader for v in batch[:, 0, 0]]
+    assert sorted(seen) == list(range(40))
+    stats = dataset.stats()
+    assert stats["fetch"]["objects"] == 40 and stats["samples"] == 40
+    assert stats["fetch"]["requests"] == 40  # one GET per object, five batched calls
+
+
+@pytest.mark.parametrize("store", ["gcs", "b2"])
+def test_gcs_and_b2_sources(store: str, gcs: FakeGcsServer, b2: B2Server) -> None:
+    server = gcs if store == "gcs" else b2
+    scheme = "gs" if store == "gcs" else "b2"
+    options = server.storage_options()
+    root = upload(f"{scheme}://{BUCKET}/ds-{uuid.uuid4().hex[:8]}", options, 12)
+    dataset = RemoteDataset(root, decode="npy", storage_options=options)
+    assert sorted(value_of(dataset[i]) for i in range(len(dataset))) == list(range(12))
+
+
+def test_a_warm_epoch_reads_only_the_cache(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    root, options = s3_root
+    cache = Cache(tmp_path, format="npy")
+    dataset = RemoteDataset(root, decode="npy", cache=cache, storage_options=options)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2)
+    first = torch.cat([b for b in loader])
+    assert len(cache) == 40
+    dataset.fetcher.stats.requests = 0
+    second = torch.cat([b for b in DataLoader(dataset, batch_size=8)])
+    assert torch.equal(first, second)
+    assert dataset.stats()["fetch"]["requests"] == 0 and cache.counters.hits == 40
+
+
+def test_changing_the_transform_invalidates_and_changing_it_back_hits(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    root, options = s3_root
+    manifest = Manifest.build(root, storage_options=options)
+    cache = Cache(tmp_path, format="pt")
+
+    @versioned(1)
+    def double(x: np.ndarray) -> np.ndarray:
+        return x * 2
+
+    @versioned(1)
+    def triple(x: np.ndarray) -> np.ndarray:
+        return x * 3
+
+    for transform, factor, misses in [(double, 2, 40), (triple, 3, 40), (double, 2, 0)]:
+        dataset = RemoteDataset(
+            manifest, decode="npy", transform=transform, cache=cache, storage_options=options
+        )
+        before = cache.counters.misses
+        assert [value_of(dataset[i]) for i in range(40)] == [i * factor for i in range(40)]
+        assert cache.counters.misses - before == misses
+
+
+def test_an_object_changed_remotely_is_fetched_again_after_refresh(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/chg-{uuid.uuid4().hex[:8]}", options, 3)
+    cache = Cache(tmp_path, format="npy")
+    manifest = Manifest.build(root, storage_options=options)
+    assert (
+        value_of(RemoteDataset(manifest, decode="npy", cache=cache, storage_options=options)[1])
+        == 1
+    )
+    filesystem(root, options).pipe(
+        f"{root.split('://')[1]}/0001.npy", npy(np.full((4, 5), 99, np.float32))
+    )
+    refreshed = manifest.refresh(storage_options=options)
+    assert refreshed.changed == 1
+    fresh = RemoteDataset(refreshed.manifest, decode="npy", cache=cache, storage_options=options)
+    assert value_of(fresh[1]) == 99
+
+
+def test_skip_keeps_batches_whole_and_names_each_bad_key_once(
+    seaweed: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/bad-{uuid.uuid4().hex[:8]}", options, 6)
+    fs, base = filesystem(root, options), root.split("://")[1]
+    fs.pipe({f"{base}/0002.npy": b"not an array", f"{base}/0004.npy": b""})
+    manifest = Manifest.build(root, storage_options=options)
+    fs.rm(f"{base}/0005.npy")  # deleted between listing and reading
+    dataset = RemoteDataset(manifest, decode="npy", on_error="skip", storage_options=options)
+    caplog.set_level(logging.WARNING, logger="fastload.dataset")
+    for _ in range(2):
+        batch = next(iter(DataLoader(dataset, batch_size=6)))
+        assert batch.shape == (6, 4, 5)
+        assert set(batch[:, 0, 0].tolist()) <= {0.0, 1.0, 3.0}
+    stats = dataset.stats()
+    assert stats["skipped"] == 6 and len(stats["skipped_keys"]) == 3
+    assert {k.rsplit("/", 1)[1] for k in stats["skipped_keys"]} == {
+        "0002.npy",
+        "0004.npy",
+        "0005.npy",
+    }
+    assert len([r for r in caplog.records if "skipping" in r.message]) == 3  # once per key
+
+
+def test_raise_names_the_object_and_its_type_of_failure(seaweed: S3Server) -> None:
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/raise-{uuid.uuid4().hex[:8]}", options, 2)
+    fs, base = filesystem(root, options), root.split("://")[1]
+    fs.pipe(f"{base}/0001.npy", b"garbage")
+    manifest = Manifest.build(root, storage_options=options)
+    dataset = RemoteDataset(manifest, decode="npy", storage_options=options)
+    with pytest.raises(DecodeError, match=r"cannot decode.*ValueError.*0001\.npy") as info:
+        dataset[1]
+    assert info.value.url.endswith("0001.npy")
+    fs.rm(f"{base}/0000.npy")
+    with pytest.raises(ObjectNotFoundError, match=r"0000\.npy"):
+        dataset[0]
+
+
+def test_errors_inside_dataloader_workers_name_the_object(seaweed: S3Server) -> None:
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/werr-{uuid.uuid4().hex[:8]}", options, 4)
+    filesystem(root, options).pipe(f"{root.split('://')[1]}/0003.npy", b"garbage")
+    dataset = RemoteDataset(root, decode="npy", storage_options=options)
+    with pytest.raises(DecodeError, match=r"0003\.npy"):
+        list(DataLoader(dataset, batch_size=2, num_workers=2))
+
+
+def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> None:
+    root, options = s3_root
+    manifest = Manifest.build(root, storage_options=options)
+    labels = {f"{i:04d}.npy": "odd" if i % 2 else "even" for i in range(40)}
+    dataset = RemoteDataset(manifest, decode="npy", labels=labels, limit=5, storage_options=options)
+    assert len(dataset) == 5
+    sample, label = dataset[3]
+    assert value_of(sample) == 3 and dataset.manifest.classes is not None
+    assert dataset.manifest.classes[label] == "odd"
+    _, targets = next(iter(DataLoader(dataset, batch_size=5)))
+    assert targets.tolist() == [0, 1, 0, 1, 0]
+    with pytest.raises(IndexError, match="out of range for 5"):
+        dataset[5]
+    for bad in [{"on_error": "ignore"}, {"limit": 0}, {"cache": "/tmp/x"}]:
+        with pytest.raises(ConfigError):
+            RemoteDataset(manifest, decode="npy", **bad)
+    with pytest.raises(ConfigError, match="unknown decoder 'jpeg2000'"):
+        RemoteDataset(manifest, decode="jpeg2000")
+    with pytest.raises(ConfigError, match="source must be a URL or a Manifest"):
+        RemoteDataset(42, decode="npy")  # type: ignore[arg-type]
+
+
+def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
+    root, options = s3_root
+    cache = Cache(tmp_path, format="npy")
+    dataset = RemoteDataset(root, decode="npy", cache=cache, storage_options=options)
+    dataset.prefetch(range(10, 20)).result(timeout=60)
+    requests = dataset.fetcher.stats.requests
+    assert [value_of(dataset[i]) for i in range(10, 20)] == list(range(10, 20))
+    assert dataset.fetcher.stats.requests == requests  # all hits
+    with pytest.raises(ConfigError, match="needs a cache"):
+        RemoteDataset(root, decode="npy", storage_options=options).prefetch([0])
+
+
+class Expensive(Dataset[Any]):
+    """A user's own dataset: counts how often it really computes."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> Any:
+        with open(self.log, "a") as f:
+            f.write(f"{index}\n")
+        return {"x": torch.full((3,), float(index)), "label": index % 4}
+
+
+def test_cached_dataset_computes_once_across_workers_and_epochs(tmp_path: Any) -> None:
+    log = str(tmp_path / "calls")
+    dataset = CachedDataset(Expensive(log), Cache(tmp_path / "c", format="npy"))
+    for _ in range(3):
+        batches = list(DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True))
+        assert sorted(int(v) for b in batches for v in b["x"][:, 0]) == list(range(16))
+    with open(log) as f:
+        assert sorted(int(line) for line in f) == list(range(16))
+    other = CachedDataset(Expensive(log), Cache(tmp_path / "c", format="npy"), version="v2")
+    other[0]  # a new version: computed again
+    with open(log) as f:
+        assert len(f.readlines()) == 17
+
+
+def test_cached_dataset_rejects_what_it_cannot_wrap(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="map-style"):
+        CachedDataset(iter([1, 2]), Cache(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"fastload\.Cache"):
+        CachedDataset(Expensive(os.devnull), str(tmp_path))  # type: ignore[arg-type]
