@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
-from benchmarks import sampler, stores
+from benchmarks import cache, sampler, stores
 
-SCENARIOS = {"sampler": sampler.run, "fetch": stores.run_fetch, "manifest": stores.run_manifest}
+SCENARIOS = {
+    "sampler": sampler.run,
+    "fetch": stores.run_fetch,
+    "manifest": stores.run_manifest,
+    "epochs": cache.run_epochs,
+    "volumes": cache.run_volumes,
+}
 RESULTS = Path(__file__).with_name("results")
 
 

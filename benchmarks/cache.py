@@ -1,0 +1,228 @@
+"""Epochs through the cache, and large volumes: fastload vs LitData vs local files, in one run.
+
+Epochs: N x 150 KB float32 arrays (.npy objects) on a loopback SeaweedFS behind the proxy adding
+20 ms per request; torch DataLoader, batch 32.
+- cold: fastload's first epoch (fetch + decode + cache write), against the raw concurrent-fetch
+  ceiling measured just before it (fastload.fetch, 64 in flight, the same objects);
+- warm: later epochs served from the cache (formats npy and pt); against LitData's warm epoch
+  (``optimize`` into local chunks, then ``StreamingDataset``: its conversion time is reported)
+  and against a bare loop reading the same arrays from local .npy files (np.load, stack by 32).
+Each reader runs ``repeats`` times, interleaved; the table gives medians.
+
+Volumes: one 64x384x384 float32 volume (36 MB) in a zarr cache: a full warm read against
+np.load of the same array, and a random 16x128x128 crop against the full read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from fastload import Cache, FetchConfig, Fetcher, Manifest, RemoteDataset
+from fastload.stores import filesystem
+from fastload.testing import FaultProxy, Faults, SeaweedS3Server
+
+BUCKET = "bench"
+SHAPE = (150, 250)  # float32: 150,000 bytes
+LATENCY = 0.020
+BATCH = 32
+
+
+def _array(i: int) -> np.ndarray:
+    return np.random.default_rng(i).random(SHAPE, dtype=np.float32)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def _rate(run: Callable[[], int]) -> float:
+    started = time.perf_counter()
+    count = run()
+    return count / (time.perf_counter() - started)
+
+
+def _epoch(loader: DataLoader[Any]) -> Callable[[], int]:
+    return lambda: sum(len(batch) for batch in loader)
+
+
+def _bare_loop(folder: Path, n: int) -> Callable[[], int]:
+    paths = [folder / f"{i:05d}.npy" for i in range(n)]
+
+    def run() -> int:
+        count = 0
+        for start in range(0, n, BATCH):
+            batch = [torch.from_numpy(np.load(p)) for p in paths[start : start + BATCH]]
+            count += len(torch.stack(batch))
+        return count
+
+    return run
+
+
+def _litdata(
+    n: int, workdir: Path, progress: Callable[[str], None]
+) -> tuple[float, Callable[[], int]]:
+    """LitData: convert to its chunks (timed), then a warm StreamingDataset epoch."""
+    import litdata
+
+    out = workdir / "litdata"
+    started = time.perf_counter()
+    litdata.optimize(
+        fn=_array, inputs=list(range(n)), output_dir=str(out), chunk_bytes="64MB", num_workers=1
+    )
+    conversion = time.perf_counter() - started
+    progress(f"cache/epochs: LitData conversion {conversion:.1f} s")
+    dataset = litdata.StreamingDataset(str(out))
+    loader = litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=0)
+    return conversion, lambda: sum(len(batch) for batch in loader)
+
+
+def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
+        workdir = Path(tmp)
+        server.create_bucket(BUCKET)
+        arrays = {f"{i:05d}.npy": _array(i) for i in range(n)}
+        filesystem("s3://x", server.storage_options()).pipe(
+            {f"{BUCKET}/epochs/{k}": _npy(v) for k, v in arrays.items()}
+        )
+        local = workdir / "local"
+        local.mkdir()
+        for key, array in arrays.items():
+            np.save(local / key, array)
+        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
+            options = server.storage_options(proxy.endpoint)
+            manifest = Manifest.build(f"s3://{BUCKET}/epochs", storage_options=options)
+            urls = manifest.urls()
+            ceiling = statistics.median(
+                _rate(lambda: len(Fetcher(options, FetchConfig(concurrency=64)).fetch(urls)))
+                for _ in range(repeats)
+            )
+            rows.append(
+                {
+                    "reader": "raw concurrent fetch (ceiling), 64 in flight",
+                    "samples/s (median)": ceiling,
+                }
+            )
+            cold: list[float] = []
+            for repeat in range(repeats):
+                progress(f"cache/epochs: fastload cold epoch (repeat {repeat + 1}/{repeats})")
+                cache = Cache(workdir / f"cold{repeat}", format="npy")
+                dataset = RemoteDataset(
+                    manifest, decode="npy", cache=cache, storage_options=options
+                )
+                cold.append(_rate(_epoch(DataLoader(dataset, batch_size=BATCH, num_workers=2))))
+            rows.append(
+                {
+                    "reader": "fastload cold epoch (npy cache filling), 2 workers",
+                    "samples/s (median)": statistics.median(cold),
+                    "vs ceiling": statistics.median(cold) / ceiling,
+                }
+            )
+            readers: dict[str, Callable[[], int]] = {
+                "local .npy files, bare loop": _bare_loop(local, n)
+            }
+            for fmt in ("npy", "pt"):
+                cache = Cache(workdir / f"warm-{fmt}", format=fmt)  # type: ignore[arg-type]
+                dataset = RemoteDataset(
+                    manifest, decode="npy", cache=cache, storage_options=options
+                )
+                _epoch(DataLoader(dataset, batch_size=BATCH))()  # fill
+                for workers in (0, 2):
+                    loader = DataLoader(
+                        dataset,
+                        batch_size=BATCH,
+                        num_workers=workers,
+                        persistent_workers=workers > 0,
+                    )
+                    readers[f"fastload warm epoch, {fmt} cache, {workers} workers"] = _epoch(loader)
+            conversion, readers["LitData warm epoch (local chunks)"] = _litdata(
+                n, workdir, progress
+            )
+            measured: dict[str, list[float]] = {name: [] for name in readers}
+            for repeat in range(repeats):  # interleaved, so noise hits every reader alike
+                for name, run in readers.items():
+                    progress(f"cache/epochs: {name} (repeat {repeat + 1}/{repeats})")
+                    measured[name].append(_rate(run))
+    bare = statistics.median(measured["local .npy files, bare loop"])
+    lit = statistics.median(measured["LitData warm epoch (local chunks)"])
+    for name, rates in measured.items():
+        rate = statistics.median(rates)
+        row: dict[str, Any] = {"reader": name, "samples/s (median)": rate, "vs LitData": rate / lit}
+        row["vs bare loop"] = rate / bare
+        if name.startswith("LitData"):
+            row["note"] = f"conversion {conversion:.1f} s before the first epoch"
+        rows.append(row)
+    return rows
+
+
+def volume_rows(repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    shape = (64, 384, 384)
+    rng = np.random.default_rng(0)
+    volume = rng.random(shape, dtype=np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "v.npy", volume)
+        cache = Cache(Path(tmp) / "cache", format="zarr")
+        cache.put("volume", volume)
+        corners = [
+            tuple(int(rng.integers(0, n - c)) for n, c in zip(shape, (16, 128, 128), strict=True))
+            for _ in range(repeats)
+        ]
+
+        def crop(corner: tuple[int, ...]) -> Callable[[], Any]:
+            def run() -> Any:
+                a, b, c = corner
+                with cache.open("volume") as lazy:
+                    return lazy[a : a + 16, b : b + 128, c : c + 128]
+
+            return run
+
+        timings: dict[str, list[float]] = {
+            "np.load (36 MB .npy)": [],
+            "zarr cache, full read": [],
+            "zarr cache, 16x128x128 crop": [],
+        }
+        for repeat in range(repeats):
+            progress(f"cache/volumes: repeat {repeat + 1}/{repeats}")
+            for name, run in (
+                ("np.load (36 MB .npy)", lambda: np.load(Path(tmp) / "v.npy")),
+                ("zarr cache, full read", lambda: cache.get("volume")),
+                ("zarr cache, 16x128x128 crop", crop(corners[repeat])),
+            ):
+                started = time.perf_counter()
+                run()
+                timings[name].append(time.perf_counter() - started)
+    base = statistics.median(timings["np.load (36 MB .npy)"])
+    full = statistics.median(timings["zarr cache, full read"])
+    rows = []
+    for name, values in timings.items():
+        ms = statistics.median(values) * 1e3
+        rows.append(
+            {
+                "read": name,
+                "ms (median)": ms,
+                "vs np.load": ms / 1e3 / base,
+                "full read / this": full / (ms / 1e3),
+            }
+        )
+    return rows
+
+
+def run_epochs(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return epoch_rows(200 if quick else 2000, 1 if quick else 3, progress)
+
+
+def run_volumes(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return volume_rows(5 if quick else 31, progress)
