@@ -147,6 +147,7 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
                         num_workers=workers,
                         persistent_workers=workers > 0,
                     )
+                    _epoch(loader)()  # start the workers outside the timing
                     readers[f"fastload warm epoch, {fmt} cache, {workers} workers"] = _epoch(loader)
             conversion, readers["LitData warm epoch (local chunks)"] = _litdata(
                 n, workdir, progress

@@ -61,17 +61,17 @@ class Format(ABC):
         """Write ``sample`` (identified by ``name``) at ``path``; the bytes written."""
 
     @abstractmethod
-    def read(self, path: Path) -> Any:
+    def read(self, path: str | Path) -> Any:
         """The sample at ``path``; :class:`CorruptEntryError` when it fails its checks,
         ``FileNotFoundError`` when it is gone."""
 
-    def name_of(self, path: Path) -> str:
+    def name_of(self, path: str | Path) -> str:
         """The name the entry was written under (for reports); checks nothing else."""
         header = self._header(path)
         return str(header.get("name", ""))
 
     @abstractmethod
-    def _header(self, path: Path) -> dict[str, Any]: ...
+    def _header(self, path: str | Path) -> dict[str, Any]: ...
 
 
 # --- one-file formats -------------------------------------------------------------------------
@@ -110,7 +110,7 @@ class _FileFormat(Format):
             out.write(_FOOTER.pack(crc, _END))
         return position + _FOOTER.size
 
-    def read(self, path: Path) -> Any:
+    def read(self, path: str | Path) -> Any:
         buffer = _read_checked(path)
         header = _parse_header(buffer, path)
         try:
@@ -133,7 +133,7 @@ class _FileFormat(Format):
             raise ValueError("the blobs do not add up to the file")
         return blobs
 
-    def _header(self, path: Path) -> dict[str, Any]:
+    def _header(self, path: str | Path) -> dict[str, Any]:
         return _parse_header(_read_checked(path), path)
 
 
@@ -142,7 +142,7 @@ def _create(path: Path) -> io.BufferedWriter:
     return open(fd, "wb")
 
 
-def _read_checked(path: Path) -> np.ndarray:
+def _read_checked(path: str | Path) -> np.ndarray:
     """The whole file as a writable uint8 array, after its checksum matched."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -157,7 +157,7 @@ def _read_checked(path: Path) -> np.ndarray:
     return buffer
 
 
-def _parse_header(buffer: np.ndarray, path: Path) -> dict[str, Any]:
+def _parse_header(buffer: np.ndarray, path: str | Path) -> dict[str, Any]:
     magic, length = _PREFIX.unpack_from(buffer.data)
     if magic != _MAGIC:
         raise CorruptEntryError(f"not a fastload cache entry: {path}")
@@ -571,14 +571,15 @@ class ZarrFormat(Format):
 
         return sum(_pool().map(one, jobs)) + _tree_bytes(path, files_only="zarr.json")
 
-    def _header(self, path: Path) -> dict[str, Any]:
-        header = _read_json(path / "zarr.json").get("attributes", {}).get("fastload")
+    def _header(self, path: str | Path) -> dict[str, Any]:
+        header = _read_json(Path(path) / "zarr.json").get("attributes", {}).get("fastload")
         if not isinstance(header, dict):
             raise CorruptEntryError(f"not a fastload zarr entry: {path}")
         return header
 
-    def arrays(self, path: Path) -> tuple[list[Any], list[ZarrArray]]:
+    def arrays(self, path: str | Path) -> tuple[list[Any], list[ZarrArray]]:
         """The entry's spec and a lazy :class:`ZarrArray` per leaf, metadata cross-checked."""
+        path = Path(path)
         header = self._header(path)
         arrays = []
         try:
@@ -590,7 +591,7 @@ class ZarrFormat(Format):
             raise CorruptEntryError(f"cache entry metadata is malformed: {path}") from exc
         return header["spec"], arrays
 
-    def read(self, path: Path) -> Any:
+    def read(self, path: str | Path) -> Any:
         spec, arrays = self.arrays(path)
         leaves: list[Leaf] = []
         for array in arrays:
@@ -599,7 +600,7 @@ class ZarrFormat(Format):
         return unflatten(spec, leaves)
 
 
-def _tree_bytes(path: Path, files_only: str | None = None) -> int:
+def _tree_bytes(path: str | Path, files_only: str | None = None) -> int:
     """Bytes of the files under ``path`` (or only those named ``files_only``)."""
     total = 0
     for folder, _, names in os.walk(path):
@@ -609,8 +610,8 @@ def _tree_bytes(path: Path, files_only: str | None = None) -> int:
     return total
 
 
-def entry_bytes(path: Path, directory: bool) -> int:
-    return _tree_bytes(path) if directory else path.stat().st_size
+def entry_bytes(path: str | Path, directory: bool) -> int:
+    return _tree_bytes(path) if directory else os.stat(path).st_size
 
 
 FORMATS: dict[str, Callable[[], Format]] = {"pt": PtFormat, "npy": NpyFormat, "zarr": ZarrFormat}

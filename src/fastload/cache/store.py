@@ -62,7 +62,7 @@ class VerifyReport:
 @dataclass(frozen=True)
 class _Entry:
     digest: str
-    path: Path
+    path: str
     size: int
     used: float  # last read or write (mtime)
 
@@ -96,6 +96,7 @@ class Cache:
         self.max_bytes = max_bytes
         self.counters = CacheStats()
         self._layout: Format = FORMATS[format]()
+        self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
         self._prepare()
 
@@ -147,8 +148,9 @@ class Cache:
     def _digest(self, name: str) -> str:
         return hashlib.sha256(f"{self.format}\0{name}".encode()).hexdigest()[:40]
 
-    def _path(self, digest: str) -> Path:
-        return self.root / "entries" / digest[:2] / digest[2:4] / (digest + self._layout.suffix)
+    def _path(self, digest: str) -> str:
+        # plain strings: building Path objects cost more than reading a small entry
+        return f"{self._entry_root}/{digest[:2]}/{digest[2:4]}/{digest}{self._layout.suffix}"
 
     def _lock(self, digest: str) -> FileLock:
         return FileLock(self.root / "locks" / digest[:2] / f"{digest}.lock")
@@ -172,7 +174,7 @@ class Cache:
             os.utime(path)  # mtime orders eviction (least recently used first)
         return value
 
-    def _read(self, digest: str, path: Path, held: bool = False) -> Any:
+    def _read(self, digest: str, path: str, held: bool = False) -> Any:
         if held or not self._layout.directory:
             return self._layout.read(path)  # an open file outlives its eviction
         lock = self._lock(digest)  # a folder does not: keep eviction away while reading
@@ -182,7 +184,7 @@ class Cache:
         finally:
             lock.release()
 
-    def _discard(self, digest: str, path: Path, why: Exception, held: bool = False) -> None:
+    def _discard(self, digest: str, path: str, why: Exception, held: bool = False) -> None:
         lock = self._lock(digest)
         if not held and not lock.acquire(blocking=False):
             return  # its holder is rewriting it
@@ -203,7 +205,7 @@ class Cache:
         return default if value is _MISSING else value
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._path(self._digest(name)).exists()
+        return isinstance(name, str) and os.path.exists(self._path(self._digest(name)))
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[Any]:
@@ -345,7 +347,7 @@ class Cache:
                 self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
                 return
             path = self._path(digest)
-            private_dirs(path.parent)
+            private_dirs(Path(path).parent)
             with self._usage() as used:
                 if self.max_bytes is not None and used[0] + size > self.max_bytes:
                     used[0] = self._evict(int(self.max_bytes * _LOW_WATER) - size)
@@ -396,10 +398,9 @@ class Cache:
             with os.scandir(shard) as items:
                 for item in items:
                     digest = item.name.split(".")[0]
-                    path = Path(item.path)
                     with contextlib.suppress(FileNotFoundError):
-                        size = entry_bytes(path, self._layout.directory)
-                        yield _Entry(digest, path, size, item.stat().st_mtime)
+                        size = entry_bytes(item.path, self._layout.directory)
+                        yield _Entry(digest, item.path, size, item.stat().st_mtime)
 
     def _scan_bytes(self) -> int:
         return sum(e.size for e in self._entries())
@@ -462,11 +463,11 @@ class Cache:
             used[0] = self._scan_bytes()
         return report
 
-    def _name_of(self, path: Path) -> str:
+    def _name_of(self, path: str) -> str:
         try:
             return self._layout.name_of(path)
         except (OSError, CorruptEntryError):
-            return path.name  # too damaged to say: the file name (a digest) must do
+            return os.path.basename(path)  # too damaged to say: the file name (a digest)
 
     def prune(self, max_bytes: int | None = None) -> int:
         """Evict down to ``max_bytes`` (default: this cache's budget); entries removed."""
@@ -487,15 +488,15 @@ class Cache:
             used[0] = 0
 
 
-def _remove(path: Path) -> int:
+def _remove(path: str | Path) -> int:
     """Delete a file or folder if present; the bytes freed."""
     try:
-        if path.is_dir() and not path.is_symlink():
+        if os.path.isdir(path) and not os.path.islink(path):
             size = entry_bytes(path, True)
             shutil.rmtree(path, ignore_errors=True)
             return size
-        size = path.lstat().st_size
-        path.unlink()
+        size = os.lstat(path).st_size
+        os.unlink(path)
     except FileNotFoundError:
         return 0
     return size
