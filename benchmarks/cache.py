@@ -2,7 +2,8 @@
 
 Epochs: N x 150 KB float32 arrays (.npy objects) on a loopback SeaweedFS behind the proxy adding
 20 ms per request; torch DataLoader, batch 32.
-- cold: fastload's first epoch (fetch + decode + cache write), against the raw concurrent-fetch
+- cold: fastload's first epoch (fetch + decode + cache write) at batch 32 and 256 in the main
+  process and with 2 workers (their start-up included), against the raw concurrent-fetch
   ceiling measured just before it (fastload.fetch, 64 in flight, the same objects);
 - warm: later epochs served from the cache (formats npy and pt); against LitData's warm epoch
   (``optimize`` into local chunks, then ``StreamingDataset``: its conversion time is reported)
@@ -16,7 +17,6 @@ np.load of the same array, and a random 16x128x128 crop against the full read.
 from __future__ import annotations
 
 import io
-import os
 import statistics
 import tempfile
 import time
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import litdata
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -75,8 +76,6 @@ def _litdata(
     n: int, workdir: Path, progress: Callable[[str], None]
 ) -> tuple[float, Callable[[], int]]:
     """LitData: convert to its chunks (timed), then a warm StreamingDataset epoch."""
-    import litdata
-
     out = workdir / "litdata"
     started = time.perf_counter()
     litdata.optimize(
@@ -116,21 +115,24 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
                     "samples/s (median)": ceiling,
                 }
             )
-            cold: list[float] = []
-            for repeat in range(repeats):
-                progress(f"cache/epochs: fastload cold epoch (repeat {repeat + 1}/{repeats})")
-                cache = Cache(workdir / f"cold{repeat}", format="npy")
-                dataset = RemoteDataset(
-                    manifest, decode="npy", cache=cache, storage_options=options
+            for workers, batch in ((0, BATCH), (0, 256), (2, BATCH)):
+                cold: list[float] = []
+                for repeat in range(repeats):
+                    progress(f"cache/epochs: cold, {workers} workers, batch {batch} ({repeat + 1})")
+                    cache = Cache(workdir / f"cold-{workers}-{batch}-{repeat}", format="npy")
+                    dataset = RemoteDataset(
+                        manifest, decode="npy", cache=cache, storage_options=options
+                    )
+                    loader = DataLoader(dataset, batch_size=batch, num_workers=workers)
+                    cold.append(_rate(_epoch(loader)))
+                rows.append(
+                    {
+                        "reader": f"fastload cold epoch (npy cache filling), {workers} workers, "
+                        f"batch {batch}",
+                        "samples/s (median)": statistics.median(cold),
+                        "vs ceiling": statistics.median(cold) / ceiling,
+                    }
                 )
-                cold.append(_rate(_epoch(DataLoader(dataset, batch_size=BATCH, num_workers=2))))
-            rows.append(
-                {
-                    "reader": "fastload cold epoch (npy cache filling), 2 workers",
-                    "samples/s (median)": statistics.median(cold),
-                    "vs ceiling": statistics.median(cold) / ceiling,
-                }
-            )
             readers: dict[str, Callable[[], int]] = {
                 "local .npy files, bare loop": _bare_loop(local, n)
             }

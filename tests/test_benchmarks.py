@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import sampler, stores
+from benchmarks import cache, sampler, stores
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -33,3 +33,16 @@ def test_manifest_benchmark_lists_and_persists() -> None:
     rows = stores.manifest_rows(1000, 300, 1, progress=lambda _: None)
     assert [row["seconds"] > 0 for row in rows] == [True] * 4
     assert rows[-1]["speed-up"] > 0
+
+
+def test_epoch_benchmark_compares_every_reader() -> None:
+    rows = cache.epoch_rows(64, 1, progress=lambda _: None)
+    readers = [row["reader"] for row in rows]
+    assert any(r.startswith("LitData") for r in readers) and any("bare loop" in r for r in readers)
+    assert all(row["samples/s (median)"] > 0 for row in rows)
+    assert all(row["vs ceiling"] > 0 for row in rows if "cold" in row["reader"])
+
+
+def test_volume_benchmark_reads_full_and_cropped() -> None:
+    rows = cache.volume_rows(2, progress=lambda _: None)
+    assert [row["ms (median)"] > 0 for row in rows] == [True] * 3
