@@ -357,8 +357,11 @@ def test_many_processes_missing_the_same_keys_compute_each_once(tmp_path: Path, 
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0]
     computed = log.read_text().split()
-    assert sorted(computed) == [f"k{i}" for i in range(8)]  # each key exactly once on the node
-    assert sum(int(out.split()[-1]) for out in outputs) == 3 * 8  # the rest read or waited
+    assert sorted(computed) == [f"k{i}" for i in range(8)], (
+        f"computed per call: {log.read_text()!r}"
+    )
+    # the three that did not compute a key read it (hit) or waited for it
+    assert sum(int(out.split()[-1]) for out in outputs) == 3 * 8, f"hits+waits: {outputs}"
     locks = list((root / "locks").rglob("*.lock"))
     if fmt != "zarr":
         assert locks == []  # no lock file left behind
