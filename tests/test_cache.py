@@ -511,3 +511,12 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
     live.write_bytes(b"being written")
     Cache(tmp_path)
     assert not stale.exists() and live.exists()
+
+
+def test_formats_sharing_a_directory_keep_to_their_own_entries(tmp_path: Path) -> None:
+    npy_cache, pt_cache = Cache(tmp_path, format="npy"), Cache(tmp_path, format="pt")
+    npy_cache.put("a", np.ones(100))
+    pt_cache.put("a", torch.ones(100))
+    assert pt_cache.verify().corrupt == [] and npy_cache.verify().corrupt == []
+    assert len(npy_cache) == 1 and len(pt_cache) == 1
+    assert pt_cache.prune(max_bytes=1) == 1 and npy_cache.get("a") is not None

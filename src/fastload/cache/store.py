@@ -8,7 +8,7 @@ Layout under ``root``::
     locks/ab/<digest>.lock           while a sample is computed (zarr: also while read; these go
                                      with the entry)
     tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
-    usage                            bytes in entries/ (kept under its own lock)
+    usage-<format>                   bytes of that format's entries (kept under its own lock)
 
 A sample's file name is a hash of its name and the format, so no name can reach outside
 ``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
@@ -72,8 +72,8 @@ class Cache:
 
     ``format``: ``"pt"`` (torch.save, loaded with ``weights_only=True``), ``"npy"`` (raw
     array buffers, the fastest) or ``"zarr"`` (chunked and compressed; crops read only what
-    they touch, see :meth:`open`). ``max_bytes`` bounds the entries; the least recently used
-    are evicted past it.
+    they touch, see :meth:`open`). ``max_bytes`` bounds this format's entries; the least
+    recently used are evicted past it. Formats may share a directory; each keeps to its own.
 
     Names are any strings that identify a sample and everything that shaped it (object URL,
     version, transform fingerprint); :meth:`name` builds one.
@@ -374,7 +374,7 @@ class Cache:
     @contextlib.contextmanager
     def _usage(self) -> Iterator[list[int]]:
         """The bytes in entries/, read and written back in place under the usage file's lock."""
-        path = self.root / "usage"
+        path = self.root / f"usage-{self.format}"
         lock = FileLock(path)
         lock.acquire()
         try:
@@ -397,6 +397,8 @@ class Cache:
         for shard in sorted((self.root / "entries").glob("*/*")):
             with os.scandir(shard) as items:
                 for item in items:
+                    if not item.name.endswith(self._layout.suffix):
+                        continue  # another format's entry: its own Cache accounts for it
                     digest = item.name.split(".")[0]
                     with contextlib.suppress(FileNotFoundError):
                         size = entry_bytes(item.path, self._layout.directory)
