@@ -186,6 +186,18 @@ class RemoteDataset(Dataset[Any]):
             f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.skipped_keys[:5]}"
         )
 
+    def warm(self, indices: Sequence[int]) -> list[tuple[str, BaseException]]:
+        """Cache ``indices`` now (one concurrent batch); the ``(url, error)`` of each failure."""
+        if self.cache is None:
+            raise ConfigError("RemoteDataset.warm needs a cache to fill")
+        entries = [self._entry(i) for i in indices]
+        results = self._samples(entries)
+        return [
+            (entry.url, result)
+            for entry, result in zip(entries, results, strict=True)
+            if isinstance(result, BaseException)
+        ]
+
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Fetch and cache ``indices`` in the background (needs a cache); later reads hit.
 

@@ -1,0 +1,445 @@
+"""Commands of the ``fastload`` CLI (typer + rich); each is a few lines over a library call."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from fastload import __version__
+from fastload.cache import Cache
+from fastload.cache.formats import FORMATS
+from fastload.cache.store import CacheFormat
+from fastload.dataset import RemoteDataset
+from fastload.errors import ConfigError, FastloadError
+from fastload.manifest import Manifest
+from fastload.transforms import decoder
+from fastload.warm import WarmReport, warm_cache, warm_order
+
+log = logging.getLogger("fastload.cli")
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+app = typer.Typer(
+    help="fastload: fast PyTorch data loading from object storage.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,
+)
+manifest_app = typer.Typer(help="Build or show a saved manifest.", no_args_is_help=True)
+cache_app = typer.Typer(help="Inspect and maintain a cache directory.", no_args_is_help=True)
+app.add_typer(manifest_app, name="manifest")
+app.add_typer(cache_app, name="cache")
+
+_state = {"debug": False}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+StorageOptions = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option", "-o", help="KEY=VALUE for fsspec (repeatable; JSON values ok)."
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"fastload {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# --- argument parsing ---------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``200GB``, ``500MiB``, ``1k`` or plain bytes (decimal units; ``iB`` ones are binary)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ConfigError(f"not a size: {text!r} (e.g. 200GB, 500MiB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    prefix = unit[:1] if unit[:1] in ("k", "m", "g", "t") else ""
+    base = 1024 if "i" in unit else 1000
+    return int(number * base ** ("kmgt".index(prefix) + 1 if prefix else 0))
+
+
+def parse_options(items: list[str] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option takes KEY=VALUE, got {key or item!r}")
+        try:
+            options[key] = json.loads(raw)
+        except ValueError:
+            options[key] = raw
+    return options
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if text is None:  # torchrun and most launchers export these
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        return (int(rank), int(world)) if rank and world else (0, 1)
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ConfigError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return int(index), int(count)
+
+
+def load_object(spec: str, what: str) -> Any:
+    """``module:attr`` imported, or a ConfigError naming what failed."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"--{what} must be module:attr, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"--{what} {spec!r} does not import ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _decoder(spec: str) -> Callable[[bytes], Any]:
+    return load_object(spec, "decode") if ":" in spec else decoder(spec)
+
+
+def _emit(result: dict[str, Any], as_json: bool, human: Callable[[], None]) -> None:
+    if as_json:
+        out.print_json(json.dumps(result, default=str))
+    else:
+        human()
+
+
+# --- warm-cache ---------------------------------------------------------------------------------
+
+
+@app.command("warm-cache")
+def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
+    source: Annotated[
+        str, typer.Argument(help="URL of the objects (s3://, gs://, b2://, file://).")
+    ],
+    cache_dir: Annotated[Path, typer.Option("--cache-dir", "-c", help="The cache directory.")],
+    format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
+    decode: Annotated[str, typer.Option(help="npy, npz, pt, raw, image or module:attr.")] = "npy",
+    transform: Annotated[str | None, typer.Option(help="module:attr of the preprocessing.")] = None,
+    workers: Annotated[int, typer.Option(help="Batches in flight at once.")] = 4,
+    batch_size: Annotated[int, typer.Option(help="Objects per concurrent batch.")] = 64,
+    limit: Annotated[int | None, typer.Option(help="Only the first N objects.")] = None,
+    shard: Annotated[
+        str | None, typer.Option(help="I/N: this part of N (default RANK/WORLD_SIZE).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Warm in epoch-0 order of PermutationSampler(seed).")
+    ] = None,
+    max_bytes: Annotated[str | None, typer.Option(help="Cache budget, e.g. 200GB.")] = None,
+    manifest: Annotated[
+        Path | None, typer.Option(help="A saved manifest of SOURCE (skips listing).")
+    ] = None,
+    cost_per_1k_requests: Annotated[
+        float | None, typer.Option(help="Provider's GET price per 1,000.")
+    ] = None,
+    cost_per_gb: Annotated[
+        float | None, typer.Option(help="Provider's egress price per GB.")
+    ] = None,
+    storage_option: StorageOptions = None,
+    as_json: AsJson = False,
+) -> None:
+    """Fetch, decode, transform and cache every object of SOURCE (resumable; Ctrl-C is safe)."""
+    if format not in FORMATS:
+        raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {format!r}")
+    # everything that can be wrong with the arguments fails here, before any request
+    options = parse_options(storage_option)
+    part = parse_shard(shard)
+    decode_fn = _decoder(decode)
+    transform_fn = load_object(transform, "transform") if transform else None
+    budget = None if max_bytes is None else parse_size(max_bytes)
+    cache = Cache(cache_dir, format=_as_format(format), max_bytes=budget)
+    listing = (
+        Manifest.load(manifest, url=source)
+        if manifest
+        else Manifest.build(source, storage_options=options)
+    )
+    dataset = RemoteDataset(
+        listing,
+        decode=decode_fn,
+        transform=transform_fn,
+        cache=cache,
+        limit=limit,
+        storage_options=options,
+    )
+    indices = warm_order(len(dataset), shard=part, seed=seed)
+    total_bytes = int(dataset.manifest.sizes[indices].sum())
+    with _progress(len(indices), total_bytes, quiet=as_json) as update:
+        report = warm_cache(
+            dataset, indices, batch_size=batch_size, threads=workers, on_progress=update
+        )
+    result = report.as_dict()
+    if cost_per_1k_requests is not None or cost_per_gb is not None:
+        result["estimated_cost"] = round(
+            report.requests / 1000 * (cost_per_1k_requests or 0)
+            + report.bytes_fetched / 1e9 * (cost_per_gb or 0),
+            6,
+        )
+    _emit(result, as_json, lambda: _print_warm(result))
+    if report.interrupted:
+        raise typer.Exit(130)
+    if report.failures:
+        raise typer.Exit(1)
+
+
+def _as_format(name: str) -> CacheFormat:
+    return name  # type: ignore[return-value]  # checked against FORMATS by the caller
+
+
+def _print_warm(result: dict[str, Any]) -> None:
+    rate = result["samples"] / result["seconds"] if result["seconds"] else 0.0
+    out.print(
+        f"{result['samples']:,} samples ({result['hits']:,} already cached) "
+        f"in {result['seconds']:.1f} s ({rate:,.0f}/s): {result['requests']:,} requests, "
+        f"{result['bytes_fetched'] / 1e6:,.1f} MB fetched"
+    )
+    if "estimated_cost" in result:
+        out.print(f"estimated cost: {result['estimated_cost']:.4f}")
+    for url, error in result["failures"].items():
+        out.print(f"failed: {url}: {error}")
+    if result["interrupted"]:
+        out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
+
+
+class _progress:
+    """A rich progress bar on a terminal; plain log lines every 5 s otherwise."""
+
+    def __init__(self, samples: int, total_bytes: int, quiet: bool) -> None:
+        self.samples, self.total_bytes, self.quiet = samples, total_bytes, quiet
+        self.bar: Progress | None = None
+        self.last = 0.0
+
+    def __enter__(self) -> Callable[[WarmReport], None]:
+        if err.is_terminal and not self.quiet:
+            self.bar = Progress(
+                TextColumn("warming"),
+                BarColumn(),
+                TextColumn("{task.completed:,}/{task.total:,} samples {task.fields[info]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("warm", total=self.samples, info="")
+        return self.update
+
+    def update(self, report: WarmReport) -> None:
+        rate = report.samples / report.seconds if report.seconds else 0.0
+        info = f"{report.bytes_fetched / 1e6:,.0f} MB, {rate:,.0f}/s, {len(report.failures)} errors"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=report.samples, info=info)
+        elif time.monotonic() - self.last >= 5 or report.samples == self.samples:
+            self.last = time.monotonic()
+            err.print(f"warming: {report.samples:,}/{self.samples:,} samples, {info}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# --- ls and manifest ----------------------------------------------------------------------------
+
+
+@app.command("ls")
+def ls_command(
+    source: Annotated[str, typer.Argument(help="URL of the objects.")],
+    storage_option: StorageOptions = None,
+    as_json: AsJson = False,
+) -> None:
+    """Count the objects under SOURCE, their total size, and show a few keys."""
+    listing = Manifest.build(source, storage_options=parse_options(storage_option))
+    result = {
+        "url": listing.root,
+        "objects": len(listing),
+        "bytes": listing.total_bytes,
+        "first_keys": listing.keys()[:5],
+    }
+    _emit(result, as_json, lambda: _print_listing(result))
+
+
+def _print_listing(result: dict[str, Any]) -> None:
+    out.print(f"{result['url']}: {result['objects']:,} objects, {result['bytes'] / 1e6:,.1f} MB")
+    for key in result["first_keys"]:
+        out.print(f"  {key}")
+
+
+@manifest_app.command("build")
+def manifest_build(
+    source: Annotated[str, typer.Argument(help="URL of the objects.")],
+    output: Annotated[Path, typer.Option("--output", "-O", help="Where to save the manifest.")],
+    storage_option: StorageOptions = None,
+    as_json: AsJson = False,
+) -> None:
+    """List SOURCE once (in parallel) and save the manifest."""
+    listing = Manifest.build(source, storage_options=parse_options(storage_option))
+    listing.save(output)
+    result = {
+        "url": listing.root,
+        "objects": len(listing),
+        "bytes": listing.total_bytes,
+        "saved": str(output),
+    }
+    _emit(result, as_json, lambda: out.print(f"{len(listing):,} objects saved to {output}"))
+
+
+@manifest_app.command("show")
+def manifest_show(
+    path: Annotated[Path, typer.Argument(help="A saved manifest.")],
+    as_json: AsJson = False,
+) -> None:
+    """Show a saved manifest's root, size, fingerprint and a few keys."""
+    listing = Manifest.load(path)
+    result = {
+        "url": listing.root,
+        "objects": len(listing),
+        "bytes": listing.total_bytes,
+        "fingerprint": listing.fingerprint,
+        "labelled": listing.labels is not None,
+        "first_keys": listing.keys()[:5],
+    }
+    _emit(result, as_json, lambda: _print_listing(result))
+
+
+# --- cache maintenance --------------------------------------------------------------------------
+
+
+def _caches(directory: Path) -> list[Cache]:
+    if not (directory / "fastload-cache.json").exists():
+        raise ConfigError(f"{directory} is not a fastload cache")
+    return [Cache(directory, format=_as_format(name)) for name in sorted(FORMATS)]
+
+
+@cache_app.command("stats")
+def cache_stats(directory: Annotated[Path, typer.Argument()], as_json: AsJson = False) -> None:
+    """Entries and bytes per format."""
+    result: dict[str, Any] = {
+        c.format: {"entries": len(c), "bytes": c.stats()["used_bytes"] or 0}
+        for c in _caches(directory)
+    }
+
+    def human() -> None:
+        for name, row in result.items():
+            out.print(f"{name}: {row['entries']:,} entries, {row['bytes'] / 1e6:,.1f} MB")
+
+    _emit(result, as_json, human)
+
+
+@cache_app.command("verify")
+def cache_verify(directory: Annotated[Path, typer.Argument()], as_json: AsJson = False) -> None:
+    """Read every entry; delete the corrupt ones (recomputed on next use). Exit 1 if any."""
+    reports = {c.format: c.verify() for c in _caches(directory)}
+    result: dict[str, Any] = {
+        k: {"checked": r.checked, "corrupt": r.corrupt} for k, r in reports.items()
+    }
+    corrupt = sum(len(r.corrupt) for r in reports.values())
+    _emit(
+        result,
+        as_json,
+        lambda: out.print(
+            f"checked {sum(r.checked for r in reports.values()):,} entries, "
+            f"removed {corrupt} corrupt"
+        ),
+    )
+    if corrupt:
+        raise typer.Exit(1)
+
+
+@cache_app.command("prune")
+def cache_prune(
+    directory: Annotated[Path, typer.Argument()],
+    max_bytes: Annotated[str, typer.Option(help="Keep at most this much per format, e.g. 100GB.")],
+) -> None:
+    """Evict least recently used entries down to --max-bytes."""
+    limit = parse_size(max_bytes)
+    removed = sum(c.prune(max_bytes=limit) for c in _caches(directory))
+    out.print(f"evicted {removed:,} entries")
+
+
+@cache_app.command("clear")
+def cache_clear(
+    directory: Annotated[Path, typer.Argument()],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
+) -> None:
+    """Remove every entry (the directory stays a cache)."""
+    caches = _caches(directory)
+    if not yes and not typer.confirm(f"remove every entry in {directory}?"):
+        raise typer.Exit(1)
+    caches[0].clear()
+    out.print(f"cleared {directory}")
+
+
+@app.command("bench")
+def bench_command(
+    quick: Annotated[bool, typer.Option(help="Small sizes (< 3 min).")] = False,
+    only: Annotated[list[str] | None, typer.Option(help="Scenario names (repeatable).")] = None,
+) -> None:
+    """Run the benchmark scenarios (from a fastload checkout)."""
+    try:
+        bench = importlib.import_module("benchmarks.__main__")
+    except ImportError:
+        raise ConfigError(
+            "fastload bench runs from a fastload checkout (benchmarks/ is not installed)"
+        ) from None
+    bench.main([*(["--quick"] if quick else []), *(["--only", *only] if only else [])])
+
+
+# --- entry --------------------------------------------------------------------------------------
+
+
+def run(argv: list[str]) -> int:
+    """Run the CLI; map errors to one line on stderr and an exit code."""
+    try:
+        app(args=argv, prog_name="fastload", standalone_mode=False)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.TyperException as exc:  # usage errors of typer's own (vendored) click
+        message = exc.format_message()
+        err.print(f"fastload: usage error: {message}", markup=False)
+        return int(getattr(exc, "exit_code", 2))
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("fastload: interrupted")
+        return 130
+    except Exception as exc:
+        if _state["debug"]:
+            raise
+        usage = isinstance(exc, ConfigError)
+        kind = "usage error" if usage else "error"
+        message = (
+            str(exc)
+            if isinstance(exc, (FastloadError, OSError))
+            else f"{type(exc).__name__}: {exc}"
+        )
+        err.print(f"fastload: {kind}: {message}", markup=False, soft_wrap=True)
+        return 2 if usage else 1
+    return 0

@@ -1,0 +1,124 @@
+"""Fill a cache ahead of training: fetch, decode, transform and store every sample once.
+
+``warm_cache`` is what ``fastload warm-cache`` runs. It is resumable (what is cached and valid
+is a hit and costs no request) and safe to interrupt (entries appear whole or not at all), and
+shards split the work between machines or processes so that together they cover each sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastload.dataset import RemoteDataset
+from fastload.errors import ConfigError
+from fastload.sampler import PermutationSampler
+
+__all__ = ["WarmReport", "warm_cache", "warm_order"]
+
+
+@dataclass
+class WarmReport:
+    """What one warm-up did. ``failures`` maps each failed object's URL to its error."""
+
+    samples: int = 0
+    hits: int = 0  # already cached (a rerun skips them)
+    requests: int = 0
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+    failures: dict[str, str] = field(default_factory=dict)
+    interrupted: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "hits": self.hits,
+            "requests": self.requests,
+            "bytes_fetched": self.bytes_fetched,
+            "seconds": round(self.seconds, 3),
+            "failures": dict(self.failures),
+            "interrupted": self.interrupted,
+        }
+
+
+def warm_order(n: int, *, shard: tuple[int, int] = (0, 1), seed: int | None = None) -> np.ndarray:
+    """Indices for shard ``(i, count)``: every count-th from i, or with ``seed`` this shard's
+    epoch-0 order of a :class:`PermutationSampler` (what that rank reads first in training)."""
+    index, count = shard
+    if count < 1 or not 0 <= index < count:
+        raise ConfigError(f"shard must be I/N with 0 <= I < N, got {index}/{count}")
+    if seed is None:
+        return np.arange(index, n, count, dtype=np.int64)
+    order = PermutationSampler(n, seed=seed, rank=index, world_size=count).indices()
+    _, first = np.unique(order, return_index=True)  # even shards repeat a few indices
+    return order[np.sort(first)]
+
+
+def warm_cache(
+    dataset: RemoteDataset,
+    indices: Sequence[int] | np.ndarray,
+    *,
+    batch_size: int = 64,
+    threads: int = 4,
+    on_progress: Callable[[WarmReport], None] | None = None,
+) -> WarmReport:
+    """Cache ``dataset[i]`` for each index, ``threads`` batches at a time.
+
+    Failures are recorded, not raised. Ctrl-C stops after the batches in flight are stored and
+    returns the report with ``interrupted=True``.
+    """
+    if dataset.cache is None:
+        raise ConfigError("warm_cache needs a RemoteDataset with a cache")
+    if batch_size < 1 or threads < 1:
+        raise ConfigError(
+            f"warm_cache needs batch_size and threads >= 1, got {batch_size}, {threads}"
+        )
+    report = WarmReport()
+    fetch, cache = dataset.fetcher.stats, dataset.cache.counters
+    start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
+    started = time.perf_counter()
+    batches = [
+        list(map(int, indices[i : i + batch_size])) for i in range(0, len(indices), batch_size)
+    ]
+
+    def done(batch: list[int], failures: list[tuple[str, BaseException]]) -> None:
+        report.samples += len(batch)
+        for url, error in failures:
+            report.failures[url] = f"{type(error).__name__}: {error}"
+        report.requests = fetch.requests - start_requests
+        report.bytes_fetched = fetch.bytes - start_bytes
+        report.hits = cache.hits - start_hits
+        report.seconds = time.perf_counter() - started
+        if on_progress is not None:
+            on_progress(report)
+
+    with ThreadPoolExecutor(threads, "fastload-warm") as pool:
+        pending = iter(batches)
+        running = {pool.submit(dataset.warm, b): b for b in _take(pending, threads)}
+        try:
+            while running:
+                future = next(iter(running))
+                done(running.pop(future), future.result())
+                for batch in _take(pending, 1):
+                    running[pool.submit(dataset.warm, batch)] = batch
+        except KeyboardInterrupt:
+            report.interrupted = True
+            for future, batch in running.items():
+                done(batch, future.result())  # let the batches in flight land whole
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _take(items: Any, count: int) -> list[list[int]]:
+    out = []
+    for _ in range(count):
+        item = next(items, None)
+        if item is None:
+            break
+        out.append(item)
+    return out
