@@ -24,6 +24,7 @@ from fastload.cache.store import CacheFormat
 from fastload.dataset import RemoteDataset
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest
+from fastload.stores import parse_url
 from fastload.transforms import decoder
 from fastload.warm import WarmReport, warm_cache, warm_order
 
@@ -174,6 +175,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     if format not in FORMATS:
         raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {format!r}")
     # everything that can be wrong with the arguments fails here, before any request
+    parse_url(source)
     options = parse_options(storage_option)
     part = parse_shard(shard)
     decode_fn = _decoder(decode)
@@ -420,7 +422,7 @@ def bench_command(
 def run(argv: list[str]) -> int:
     """Run the CLI; map errors to one line on stderr and an exit code."""
     try:
-        app(args=argv, prog_name="fastload", standalone_mode=False)
+        code = app(args=argv, prog_name="fastload", standalone_mode=False)
     except typer.Exit as exc:
         return int(exc.exit_code)
     except typer.TyperException as exc:  # usage errors of typer's own (vendored) click
@@ -442,4 +444,4 @@ def run(argv: list[str]) -> int:
         )
         err.print(f"fastload: {kind}: {message}", markup=False, soft_wrap=True)
         return 2 if usage else 1
-    return 0
+    return code if isinstance(code, int) else 0  # a command's typer.Exit(code) lands here

@@ -66,7 +66,8 @@ class Format(ABC):
         ``FileNotFoundError`` when it is gone."""
 
     def name_of(self, path: str | Path) -> str:
-        """The name the entry was written under (for reports); checks nothing else."""
+        """The name the entry was written under (for reports), read even from a damaged entry
+        when its header survived."""
         header = self._header(path)
         return str(header.get("name", ""))
 
@@ -134,7 +135,16 @@ class _FileFormat(Format):
         return blobs
 
     def _header(self, path: str | Path) -> dict[str, Any]:
-        return _parse_header(_read_checked(path), path)
+        """The header alone, unchecked: enough to name an entry whose body is damaged."""
+        with open(path, "rb") as f:
+            prefix = f.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size:
+                raise CorruptEntryError(f"cache entry is truncated: {path}")
+            length = _PREFIX.unpack(prefix)[1]
+            if length > 1 << 24:
+                raise CorruptEntryError(f"cache entry header is unreadable: {path}")
+            body = np.frombuffer(prefix + f.read(length), np.uint8)
+        return _parse_header(body, path)
 
 
 def _create(path: Path) -> io.BufferedWriter:

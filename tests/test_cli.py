@@ -1,0 +1,324 @@
+"""The ``fastload`` console script, run for real in a subprocess against the loopback stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastload import Cache
+from fastload.stores import filesystem
+from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
+from tests.conftest import BUCKET
+from tests.test_dataset import upload
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = shutil.which("fastload", path=str(Path(sys.executable).parent)) or "fastload"
+
+
+def options_args(options: dict[str, Any]) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("-o", f"{key}={json.dumps(value)}")]
+
+
+def fastload(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+
+
+def warm_json(*args: str) -> tuple[int, dict[str, Any]]:
+    done = fastload("warm-cache", *args, "--json")
+    return done.returncode, json.loads(done.stdout)
+
+
+@pytest.fixture
+def s3_objects(seaweed: S3Server) -> tuple[str, dict[str, Any]]:
+    options = seaweed.storage_options()
+    return upload(f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}", options, 40), options
+
+
+@pytest.fixture
+def slow_proxy(seaweed: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.15)) as proxy:
+        yield proxy
+
+
+def test_warm_then_rerun_skips_everything(
+    s3_objects: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = s3_objects
+    args = [root, "--cache-dir", str(tmp_path / "c"), "--format", "npy", *options_args(options)]
+    code, first = warm_json(*args, "--cost-per-1k-requests", "0.4", "--cost-per-gb", "0.01")
+    assert code == 0 and first["samples"] == 40 and first["failures"] == {}
+    assert first["requests"] == 40 and first["bytes_fetched"] > 40 * 80
+    expected = 40 / 1000 * 0.4 + first["bytes_fetched"] / 1e9 * 0.01
+    assert first["estimated_cost"] == pytest.approx(expected, abs=1e-6)
+    code, second = warm_json(*args)
+    assert code == 0 and second["hits"] == 40 and second["requests"] == 0
+    human = fastload("warm-cache", *args)
+    assert human.returncode == 0 and "40 samples (40 already cached)" in human.stdout
+
+
+def test_transform_and_seed_order(s3_objects: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    root, options = s3_objects
+    args = [
+        root,
+        "--cache-dir",
+        str(tmp_path),
+        "--format",
+        "pt",
+        "--transform",
+        "tests.cli_helpers:double",
+    ]
+    code, report = warm_json(*args, "--seed", "7", "--limit", "10", *options_args(options))
+    assert code == 0 and report["samples"] == 10
+    cache = Cache(tmp_path, format="pt")
+    assert len(cache) == 10
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_warm_is_finished_by_a_rerun(
+    seaweed: S3Server, slow_proxy: FaultProxy, tmp_path: Path, how: signal.Signals
+) -> None:
+    root = upload(f"s3://{BUCKET}/int-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 60)
+    options = seaweed.storage_options(slow_proxy.endpoint)
+    args = [
+        root,
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--format",
+        "npy",
+        "--batch-size",
+        "4",
+        "--workers",
+        "1",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [SCRIPT, "warm-cache", *args, *options_args(options), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    entries = tmp_path / "c" / "entries"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(entries.glob("*/*/*"))) < 8:
+        time.sleep(0.05)
+    proc.send_signal(how)
+    stdout, stderr = proc.communicate(timeout=60)
+    if how == signal.SIGINT:
+        assert proc.returncode == 130, stderr
+        assert json.loads(stdout)["interrupted"] is True
+        assert "Traceback" not in stderr
+    cached = len(list(entries.glob("*/*/*")))
+    assert 8 <= cached < 60
+    verify = fastload("cache", "verify", str(tmp_path / "c"), "--json")
+    assert verify.returncode == 0 and json.loads(verify.stdout)["npy"]["corrupt"] == []
+    code, rerun = warm_json(*args, *options_args(options))
+    assert code == 0 and rerun["hits"] == cached and rerun["requests"] == 60 - cached
+    assert len(list(entries.glob("*/*/*"))) == 60
+
+
+def test_two_shards_cover_everything_exactly_once(
+    s3_objects: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = s3_objects
+    args = [root, "--cache-dir", str(tmp_path), "--format", "npy", *options_args(options), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [SCRIPT, "warm-cache", *args, "--shard", f"{i}/2", "--seed", "3"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    reports = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sum(r["samples"] for r in reports) == 40 and sum(r["requests"] for r in reports) == 40
+    assert len(Cache(tmp_path, format="npy")) == 40
+    env_shard = subprocess.run(
+        [SCRIPT, "warm-cache", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**env, "RANK": "1", "WORLD_SIZE": "4"},
+    )
+    assert json.loads(env_shard.stdout)["samples"] == 10  # torchrun's variables pick the shard
+
+
+def test_verify_repairs_planted_corruption(
+    s3_objects: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = s3_objects
+    assert (
+        warm_json(root, "--cache-dir", str(tmp_path), "--format", "npy", *options_args(options))[0]
+        == 0
+    )
+    for path in sorted((tmp_path / "entries").glob("*/*/*"))[:3]:
+        data = bytearray(path.read_bytes())
+        data[-12] ^= 0xFF  # in the array, just before the footer
+        path.write_bytes(bytes(data))
+    first = fastload("cache", "verify", str(tmp_path), "--json")
+    assert first.returncode == 1
+    corrupt = json.loads(first.stdout)["npy"]["corrupt"]
+    assert len(corrupt) == 3 and all(name.startswith(root) for name in corrupt)
+    assert fastload("cache", "verify", str(tmp_path)).returncode == 0
+    stats = json.loads(fastload("cache", "stats", str(tmp_path), "--json").stdout)
+    assert stats["npy"]["entries"] == 37
+    code, rerun = warm_json(
+        root, "--cache-dir", str(tmp_path), "--format", "npy", *options_args(options)
+    )
+    assert code == 0 and rerun["requests"] == 3
+
+
+def test_failed_objects_are_listed_and_the_exit_code_says_so(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/fail-{uuid.uuid4().hex[:8]}", options, 5)
+    filesystem(root, options).pipe(f"{root.split('://')[1]}/0002.npy", b"not an array")
+    code, report = warm_json(root, "--cache-dir", str(tmp_path), *options_args(options))
+    assert code == 1 and report["samples"] == 5
+    assert list(report["failures"]) == [f"{root}/0002.npy"]
+    assert "DecodeError" in report["failures"][f"{root}/0002.npy"]
+
+
+def test_ls_and_manifest_commands(s3_objects: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    root, options = s3_objects
+    listing = json.loads(fastload("ls", root, *options_args(options), "--json").stdout)
+    assert listing["objects"] == 40 and listing["first_keys"][0] == "0000.npy"
+    saved = tmp_path / "m.npz"
+    assert (
+        fastload("manifest", "build", root, "-O", str(saved), *options_args(options)).returncode
+        == 0
+    )
+    shown = json.loads(fastload("manifest", "show", str(saved), "--json").stdout)
+    assert shown["objects"] == 40 and shown["url"] == root
+    code, report = warm_json(
+        root, "--cache-dir", str(tmp_path / "c"), "--manifest", str(saved), *options_args(options)
+    )
+    assert code == 0 and report["samples"] == 40
+
+
+@pytest.mark.parametrize("store", ["gcs", "b2"])
+def test_warm_from_gcs_and_b2(store: str, gcs: FakeGcsServer, b2: B2Server, tmp_path: Path) -> None:
+    server = gcs if store == "gcs" else b2
+    options = server.storage_options()
+    root = upload(
+        f"{'gs' if store == 'gcs' else 'b2'}://{BUCKET}/cli-{uuid.uuid4().hex[:8]}", options, 8
+    )
+    code, report = warm_json(
+        root, "--cache-dir", str(tmp_path), "--format", "zarr", *options_args(options)
+    )
+    assert code == 0 and report["samples"] == 8 and report["failures"] == {}
+
+
+def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_path: Path) -> None:
+    cdir = tmp_path / "c"
+    secret = seaweed.secret_key
+    wrong = {**seaweed.storage_options(), "secret": "wrong-" + secret}
+    cases = [
+        (["warm-cache", "ftp://host/x", "--cache-dir", str(cdir)], 2, "scheme"),
+        (
+            ["warm-cache", f"s3://{BUCKET}/x", "--cache-dir", str(cdir), "--shard", "2/2"],
+            2,
+            "--shard",
+        ),
+        (
+            [
+                "warm-cache",
+                f"s3://{BUCKET}/x",
+                "--cache-dir",
+                str(cdir),
+                "--transform",
+                "no.such:thing",
+            ],
+            2,
+            "does not import",
+        ),
+        (
+            [
+                "warm-cache",
+                f"s3://{BUCKET}/x",
+                "--cache-dir",
+                str(tmp_path / "f" / "c"),
+                "--format",
+                "hdf5",
+            ],
+            2,
+            "--format",
+        ),
+        (
+            ["warm-cache", f"s3://{BUCKET}/x", "--cache-dir", str(cdir), *options_args(wrong)],
+            1,
+            "s3://",
+        ),
+        (
+            [
+                "warm-cache",
+                f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x",
+                "--cache-dir",
+                str(cdir),
+                *options_args(seaweed.storage_options()),
+            ],
+            1,
+            "no-such-bucket",
+        ),
+        (["cache", "stats", str(REPO)], 2, "not a fastload cache"),
+        (["warm-cache", "--cache-dir", str(cdir)], 2, "Missing argument"),
+    ]
+    (tmp_path / "f").write_text("a file, not a folder")
+    for args, code, words in cases:
+        done = fastload(*args)
+        assert done.returncode == code, (args, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and words in lines[0], (args, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert secret not in done.stdout + done.stderr
+    debug = fastload("--debug", "warm-cache", "ftp://host/x", "--cache-dir", str(cdir))
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_version_and_help() -> None:
+    from fastload import __version__
+
+    assert fastload("--version").stdout.strip() == f"fastload {__version__}"
+    for command in (
+        ["--help"],
+        ["warm-cache", "--help"],
+        ["cache", "--help"],
+        ["manifest", "build", "--help"],
+    ):
+        done = fastload(*command)
+        assert done.returncode == 0 and "Usage" in done.stdout
+
+
+def test_a_cache_dir_that_cannot_be_created_is_a_runtime_error(
+    s3_objects: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = s3_objects
+    (tmp_path / "file").write_text("x")
+    done = fastload(
+        "warm-cache", root, "--cache-dir", str(tmp_path / "file" / "c"), *options_args(options)
+    )
+    assert done.returncode == 1 and "cannot use" in done.stderr and "ENOTDIR" in done.stderr
