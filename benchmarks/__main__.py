@@ -24,6 +24,7 @@ SCENARIOS = {
     "manifest": stores.run_manifest,
     "epochs": cache.run_epochs,
     "volumes": cache.run_volumes,
+    "warm": cache.run_warm,
 }
 RESULTS = Path(__file__).with_name("results")
 

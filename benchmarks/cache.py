@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from fastload import Cache, FetchConfig, Fetcher, Manifest, RemoteDataset
+from fastload import Cache, FetchConfig, Fetcher, Manifest, RemoteDataset, versioned
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, SeaweedS3Server
+from fastload.warm import warm_cache
 
 BUCKET = "bench"
 SHAPE = (150, 250)  # float32: 150,000 bytes
@@ -229,3 +231,53 @@ def run_epochs(quick: bool, progress: Callable[[str], None] = print) -> list[dic
 
 def run_volumes(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     return volume_rows(5 if quick else 31, progress)
+
+
+@versioned(1)
+def _scale(x: np.ndarray) -> np.ndarray:
+    """A cheap transform: what warm-cache's fill rate must carry besides the fetch."""
+    return x * np.float32(2)
+
+
+def warm_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """``warm_cache`` (what ``fastload warm-cache`` runs) against the raw fetch ceiling."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
+        server.create_bucket(BUCKET)
+        filesystem("s3://x", server.storage_options()).pipe(
+            {f"{BUCKET}/warm/{i:05d}.npy": _npy(_array(i)) for i in range(n)}
+        )
+        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
+            options = server.storage_options(proxy.endpoint)
+            manifest = Manifest.build(f"s3://{BUCKET}/warm", storage_options=options)
+            urls = manifest.urls()
+            ceiling: list[float] = []
+            fill: list[float] = []
+            for repeat in range(repeats):  # interleaved
+                progress(f"cache/warm: repeat {repeat + 1}/{repeats}")
+                ceiling.append(_rate(lambda: len(Fetcher(options).fetch(urls))))
+                cache = Cache(Path(tmp) / f"c{repeat}", format="npy")
+                dataset = RemoteDataset(
+                    manifest, decode="npy", transform=_scale, cache=cache, storage_options=options
+                )
+                fill.append(_rate(partial(_warm_all, dataset, n)))
+    top = statistics.median(ceiling)
+    rows.append(
+        {"reader": "raw concurrent fetch (ceiling), 64 in flight", "samples/s (median)": top}
+    )
+    rows.append(
+        {
+            "reader": "warm_cache (fastload warm-cache), 4 x 64, npy + transform",
+            "samples/s (median)": statistics.median(fill),
+            "vs ceiling": statistics.median(fill) / top,
+        }
+    )
+    return rows
+
+
+def _warm_all(dataset: RemoteDataset, n: int) -> int:
+    return warm_cache(dataset, np.arange(n)).samples
+
+
+def run_warm(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return warm_rows(200 if quick else 2000, 1 if quick else 3, progress)

@@ -46,3 +46,8 @@ def test_epoch_benchmark_compares_every_reader() -> None:
 def test_volume_benchmark_reads_full_and_cropped() -> None:
     rows = cache.volume_rows(2, progress=lambda _: None)
     assert [row["ms (median)"] > 0 for row in rows] == [True] * 3
+
+
+def test_warm_benchmark_compares_with_the_fetch_ceiling() -> None:
+    rows = cache.warm_rows(64, 1, progress=lambda _: None)
+    assert rows[1]["vs ceiling"] > 0 and rows[0]["samples/s (median)"] > 0
