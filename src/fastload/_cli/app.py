@@ -28,7 +28,6 @@ from fastload.stores import parse_url
 from fastload.transforms import decoder
 from fastload.warm import WarmReport, warm_cache, warm_order
 
-log = logging.getLogger("fastload.cli")
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
