@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -99,12 +100,12 @@ def warm_cache(
 
     with ThreadPoolExecutor(threads, "fastload-warm") as pool:
         pending = iter(batches)
-        running = {pool.submit(dataset.warm, b): b for b in _take(pending, threads)}
+        running = {pool.submit(dataset.warm, b): b for b in islice(pending, threads)}
         try:
             while running:
                 future = next(iter(running))
                 done(running.pop(future), future.result())
-                for batch in _take(pending, 1):
+                for batch in islice(pending, 1):
                     running[pool.submit(dataset.warm, batch)] = batch
         except KeyboardInterrupt:
             report.interrupted = True
@@ -112,13 +113,3 @@ def warm_cache(
                 done(batch, future.result())  # let the batches in flight land whole
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _take(items: Any, count: int) -> list[list[int]]:
-    out = []
-    for _ in range(count):
-        item = next(items, None)
-        if item is None:
-            break
-        out.append(item)
-    return out

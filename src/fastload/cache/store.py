@@ -393,16 +393,17 @@ class Cache:
         with self._usage() as used:
             used[0] += delta
 
-    def _entries(self) -> Iterator[_Entry]:
+    def _files(self) -> Iterator[os.DirEntry[str]]:
+        """This format's entries on disk (another format's are its own Cache's business)."""
         for shard in sorted((self.root / "entries").glob("*/*")):
             with os.scandir(shard) as items:
-                for item in items:
-                    if not item.name.endswith(self._layout.suffix):
-                        continue  # another format's entry: its own Cache accounts for it
-                    digest = item.name.split(".")[0]
-                    with contextlib.suppress(FileNotFoundError):
-                        size = entry_bytes(item.path, self._layout.directory)
-                        yield _Entry(digest, item.path, size, item.stat().st_mtime)
+                yield from (i for i in items if i.name.endswith(self._layout.suffix))
+
+    def _entries(self) -> Iterator[_Entry]:
+        for item in self._files():
+            with contextlib.suppress(FileNotFoundError):
+                size = entry_bytes(item.path, self._layout.directory)
+                yield _Entry(item.name.split(".")[0], item.path, size, item.stat().st_mtime)
 
     def _scan_bytes(self) -> int:
         return sum(e.size for e in self._entries())
@@ -433,7 +434,7 @@ class Cache:
         return {**self.counters.snapshot(), "used_bytes": size, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._entries())
+        return sum(1 for _ in self._files())  # no sizes needed: no stat per entry
 
     def delete(self, name: str) -> bool:
         """Remove ``name``'s entry; False when there was none."""
