@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, sampler, stores
+from benchmarks import cache, sampler, stall, stores
 
 SCENARIOS = {
     "sampler": sampler.run,
@@ -25,6 +25,7 @@ SCENARIOS = {
     "epochs": cache.run_epochs,
     "volumes": cache.run_volumes,
     "warm": cache.run_warm,
+    "stall": stall.run_stall,
 }
 RESULTS = Path(__file__).with_name("results")
 

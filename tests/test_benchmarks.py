@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import cache, sampler, stores
+from benchmarks import cache, sampler, stall, stores
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -51,3 +51,11 @@ def test_volume_benchmark_reads_full_and_cropped() -> None:
 def test_warm_benchmark_compares_with_the_fetch_ceiling() -> None:
     rows = cache.warm_rows(64, 1, progress=lambda _: None)
     assert rows[1]["vs ceiling"] > 0 and rows[0]["samples/s (median)"] > 0
+
+
+def test_stall_benchmark_reports_each_loop() -> None:
+    rows = stall.stall_rows(64, 1, progress=lambda _: None)
+    loops = {row["loop"]: row for row in rows}
+    assert loops["fastload.DataLoader defaults, warm cache"]["verdict"].startswith("compute")
+    assert "fetch latency" in loops["torch DataLoader + RemoteDataset, no cache"]["verdict"]
+    assert all(row["vs ceiling"] > 0 for row in rows if "lookahead" in row["loop"])

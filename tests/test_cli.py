@@ -322,3 +322,20 @@ def test_a_cache_dir_that_cannot_be_created_is_a_runtime_error(
         "warm-cache", root, "--cache-dir", str(tmp_path / "file" / "c"), *options_args(options)
     )
     assert done.returncode == 1 and "cannot use" in done.stderr and "ENOTDIR" in done.stderr
+
+
+def test_bench_diagnose_flips_with_the_step(
+    s3_objects: tuple[str, dict[str, Any]], slow_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    root, options = s3_objects
+    args = ["bench", "--diagnose", root, "--batch-size", "8", "--steps", "3", "--workers", "0"]
+    slow = {**options, "endpoint_url": slow_proxy.endpoint}
+    done = fastload(*args, "--step-ms", "1", *options_args(slow), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["bound"] == "data" and "fetch latency" in data["cause"], data
+    done = fastload(*args, "--step-ms", "300", *options_args(options), "-c", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("compute-bound"), done.stdout
+    done = fastload("bench", "--diagnose", root, "--step", "nowhere:step")
+    assert done.returncode == 2 and "--step 'nowhere:step' does not import" in done.stderr

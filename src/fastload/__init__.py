@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastload.cache import Cache
 from fastload.config import FetchConfig
 from fastload.dataset import CachedDataset, RemoteDataset
+from fastload.device import DeviceLoader
 from fastload.errors import (
     AccessDeniedError,
     CacheError,
@@ -19,8 +20,10 @@ from fastload.errors import (
     UnsupportedSampleError,
 )
 from fastload.fetch import Fetcher, Request, fetch
+from fastload.loader import DataLoader
 from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.sampler import PermutationSampler, WeightedSampler
+from fastload.stall import diagnose
 from fastload.transforms import QuantileNormalize, Resize, Transform, compose, versioned
 
 __version__ = "0.1.0"
@@ -32,7 +35,9 @@ __all__ = [
     "CachedDataset",
     "ConfigError",
     "CorruptEntryError",
+    "DataLoader",
     "DecodeError",
+    "DeviceLoader",
     "Entry",
     "FastloadError",
     "FetchConfig",
@@ -53,6 +58,7 @@ __all__ = [
     "WeightedSampler",
     "__version__",
     "compose",
+    "diagnose",
     "fetch",
     "versioned",
 ]

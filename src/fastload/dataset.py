@@ -20,7 +20,7 @@ from fastload.config import FetchConfig
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetch import Fetcher, Request
 from fastload.manifest import Entry, Manifest
-from fastload.stats import DatasetStats
+from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
 from fastload.stores._perprocess import PerProcessCache
 from fastload.transforms import decoder, fingerprint
 
@@ -85,6 +85,9 @@ class RemoteDataset(Dataset[Any]):
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
         self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
         self.counters = DatasetStats()
+        self._stages = StageCounters(
+            self.counters, self.fetcher.stats, CacheStats() if cache is None else cache.counters
+        )
 
     def __len__(self) -> int:
         return len(self.manifest)
@@ -110,12 +113,15 @@ class RemoteDataset(Dataset[Any]):
             raise IndexError(f"index {index} is out of range for {len(self)} samples")
         return self.manifest[index]
 
+    def _name(self, entry: Entry) -> str:
+        return Cache.name(entry.url, entry.version, self.fingerprint)
+
     def _samples(self, entries: list[Entry]) -> list[Any]:
         """Samples (with labels) in order; a failure sits in its slot as an exception."""
         if self.cache is None:
             samples = self._produce(entries)
         else:
-            names = [Cache.name(e.url, e.version, self.fingerprint) for e in entries]
+            names = [self._name(e) for e in entries]
             samples = self.cache.get_many(
                 names, lambda pos: self._produce([entries[p] for p in pos])
             )
@@ -200,18 +206,26 @@ class RemoteDataset(Dataset[Any]):
 
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Fetch and cache ``indices`` in the background (needs a cache); later reads hit.
+        Entries already in the cache are skipped (one stat each).
 
         A loader that knows the sampler's order calls this for the batches ahead.
         """
         if self.cache is None:
             raise ConfigError("RemoteDataset.prefetch needs a cache to keep what it fetches")
+        cache = self.cache
         executor = _prefetchers.get("prefetch", lambda: ThreadPoolExecutor(2, "fastload-prefetch"))
         entries = [self._entry(i) for i in indices]
 
         def run() -> None:
-            self._samples(entries)
+            missing = [e for e in entries if self._name(e) not in cache]
+            if missing:
+                self._samples(missing)
 
         return executor.submit(run)
+
+    def stage_counters(self) -> StageCounters:
+        """This process's live counters (what :mod:`fastload.stall` reports from)."""
+        return self._stages
 
     def stats(self) -> dict[str, Any]:
         """This process's counters: samples, skips, preprocessing time, fetch and cache."""
@@ -249,6 +263,8 @@ class CachedDataset(Dataset[Any]):
         self.dataset = dataset
         self.cache = cache
         self.key = key
+        self.counters = DatasetStats()
+        self._stages = StageCounters(self.counters, FetchStats(), cache.counters)
         kind = type(dataset)
         self.fingerprint = (
             version or f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}"
@@ -265,16 +281,25 @@ class CachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         names = [Cache.name(self._name(i), "", self.fingerprint) for i in indices]
-        return self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
+        items = self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
+        self.counters.samples += len(items)
+        return items
 
     def _name(self, index: int) -> str:
         return self.key(index) if self.key is not None else f"index:{int(index)}"
 
     def _compute(self, indices: list[int]) -> list[Any]:
+        started = time.perf_counter()
         many = getattr(self.dataset, "__getitems__", None)
-        if many is not None:
-            return list(many(indices))
-        return [self.dataset[i] for i in indices]
+        items = list(many(indices)) if many is not None else [self.dataset[i] for i in indices]
+        each = (time.perf_counter() - started) / max(1, len(items))
+        for _ in items:
+            self.counters.prepare.add(each)
+        return items
+
+    def stage_counters(self) -> StageCounters:
+        """This process's live counters (what :mod:`fastload.stall` reports from)."""
+        return self._stages
 
     def stats(self) -> dict[str, Any]:
         return {"cache": self.cache.stats()}

@@ -6,12 +6,25 @@ however many requests it sees and merges across workers by adding counts.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CacheStats", "DatasetStats", "FetchStats", "Histogram"]
+__all__ = [
+    "CacheStats",
+    "DatasetStats",
+    "FetchStats",
+    "Histogram",
+    "StageCounters",
+    "StepStats",
+    "merge_counters",
+    "reset_counters",
+]
+
+_MAX_KEYS = 100  # skipped keys kept per process
 
 _PER_OCTAVE = 8
 _MIN_SECONDS = 1e-6
@@ -109,3 +122,81 @@ class DatasetStats:
             "prepare_p99_ms": self.prepare.percentile(99) * 1e3,
             "prepare_total_s": self.prepare.total,
         }
+
+
+@dataclass
+class StageCounters:
+    """The dataset, fetch and cache counters of one process, as one mergeable value.
+
+    A dataset's :meth:`stage_counters` returns a view on its live counters; DataLoader workers
+    send :meth:`drain`-ed copies with each batch and the main process :meth:`merge`-s them.
+    """
+
+    dataset: DatasetStats = field(default_factory=DatasetStats)
+    fetch: FetchStats = field(default_factory=FetchStats)
+    cache: CacheStats = field(default_factory=CacheStats)
+
+    def merge(self, other: StageCounters) -> None:
+        for name in ("dataset", "fetch", "cache"):
+            merge_counters(getattr(self, name), getattr(other, name))
+
+    def drain(self) -> StageCounters:
+        """A copy of the counters so far; the live ones start again from zero."""
+        taken = copy.deepcopy(self)
+        for name in ("dataset", "fetch", "cache"):
+            reset_counters(getattr(self, name))
+        return taken
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {
+            "dataset": self.dataset.snapshot(),
+            "fetch": self.fetch.snapshot(),
+            "cache": self.cache.snapshot(),
+        }
+
+
+def merge_counters(into: Any, other: Any) -> None:
+    """Add the counter dataclass ``other`` into ``into`` field by field."""
+    for f in fields(into):
+        mine, theirs = getattr(into, f.name), getattr(other, f.name)
+        if isinstance(mine, Histogram):
+            mine.merge(theirs)
+        elif isinstance(mine, list):
+            mine.extend(k for k in theirs if k not in mine)
+            del mine[_MAX_KEYS:]
+        else:
+            setattr(into, f.name, mine + theirs)
+
+
+def reset_counters(counters: Any) -> None:
+    """Zero a counter dataclass in place (objects holding it keep counting into it)."""
+    for f in fields(counters):
+        value = getattr(counters, f.name)
+        if isinstance(value, Histogram):
+            value.counts[:] = 0
+            value.total = 0.0
+        elif isinstance(value, list):
+            value.clear()
+        else:
+            setattr(counters, f.name, type(value)())
+
+
+@dataclass
+class StepStats:
+    """How a training loop spent its time: waiting for batches vs working between them.
+
+    ``wait`` holds the time each ``next()`` blocked; ``step`` the time from handing a batch
+    out to the next request (the training step). The first batch of each pass is kept apart
+    (``first_batch_s``): it includes worker start-up, not steady-state stalls.
+    """
+
+    steps: int = 0
+    samples: int = 0
+    first_batch_s: float = 0.0
+    wait: Histogram = field(default_factory=Histogram)
+    step: Histogram = field(default_factory=Histogram)
+
+    @property
+    def wait_share(self) -> float:
+        busy = self.wait.total + self.step.total
+        return self.wait.total / busy if busy > 0 else 0.0

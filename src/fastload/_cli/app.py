@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+import fastload
 from fastload import __version__
 from fastload.cache import Cache
 from fastload.cache.formats import FORMATS
@@ -401,11 +402,40 @@ def cache_clear(
 
 
 @app.command("bench")
-def bench_command(
+def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     quick: Annotated[bool, typer.Option(help="Small sizes (< 3 min).")] = False,
     only: Annotated[list[str] | None, typer.Option(help="Scenario names (repeatable).")] = None,
+    diagnose: Annotated[
+        str | None,
+        typer.Option(help="URL: time a loader over it alone and with a step; say which limits."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option("--cache-dir", "-c", help="--diagnose: cache directory.")
+    ] = None,
+    format: Annotated[str, typer.Option("--format", help="--diagnose: pt, npy or zarr.")] = "npy",
+    decode: Annotated[str, typer.Option(help="--diagnose: decoder or module:attr.")] = "npy",
+    transform: Annotated[str | None, typer.Option(help="--diagnose: module:attr.")] = None,
+    batch_size: Annotated[int, typer.Option(help="--diagnose: samples per batch.")] = 32,
+    workers: Annotated[int | None, typer.Option(help="--diagnose: DataLoader workers.")] = None,
+    steps: Annotated[int, typer.Option(help="--diagnose: batches timed per phase.")] = 30,
+    step_ms: Annotated[
+        float, typer.Option(help="--diagnose: a simulated training step of this many ms.")
+    ] = 0.0,
+    step: Annotated[
+        str | None, typer.Option(help="--diagnose: module:attr, a step(batch) function.")
+    ] = None,
+    storage_option: StorageOptions = None,
+    as_json: AsJson = False,
 ) -> None:
-    """Run the benchmark scenarios (from a fastload checkout)."""
+    """Run the benchmark scenarios (from a checkout), or --diagnose one data source."""
+    if diagnose is not None:
+        fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
+        result = _diagnose(
+            diagnose, cache_dir, format, _decoder(decode), transform, batch_size, workers,
+            steps, fn, parse_options(storage_option),
+        )  # fmt: skip
+        _emit(result, as_json, lambda: out.print(result["verdict"]))
+        return
     try:
         bench = importlib.import_module("benchmarks.__main__")
     except ImportError:
@@ -413,6 +443,36 @@ def bench_command(
             "fastload bench runs from a fastload checkout (benchmarks/ is not installed)"
         ) from None
     bench.main([*(["--quick"] if quick else []), *(["--only", *only] if only else [])])
+
+
+def _sleep(seconds: float) -> Callable[[Any], None]:
+    return lambda _batch: time.sleep(seconds)
+
+
+def _diagnose(  # noqa: PLR0917
+    source: str,
+    cache_dir: Path | None,
+    format: str,
+    decode: Callable[[bytes], Any],
+    transform: str | None,
+    batch_size: int,
+    workers: int | None,
+    steps: int,
+    step: Callable[[Any], object] | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    if format not in FORMATS:
+        raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {format!r}")
+    parse_url(source)
+    dataset = RemoteDataset(
+        source,
+        decode=decode,
+        transform=load_object(transform, "transform") if transform else None,
+        cache=Cache(cache_dir, format=_as_format(format)) if cache_dir else None,
+        storage_options=options,
+    )
+    loader = fastload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+    return fastload.diagnose(loader, step, steps=steps, counters=loader.stage_counters)
 
 
 # --- entry --------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""DeviceLoader: batches from any loader, on the device, with the stall metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fastload.device._batch import map_tensors
+from fastload.device.cuda import cuda_batches
+from fastload.device.xla import check_sharding, xla_batches, xla_device
+from fastload.errors import ConfigError
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, stall_report
+from fastload.stats import StageCounters
+
+__all__ = ["DeviceLoader", "resolve_device"]
+
+
+class DeviceLoader:
+    """Iterate ``loader`` (any iterable of batches) and yield each batch on ``device``.
+
+    Args:
+        loader: a DataLoader or any iterable of (nested dicts/lists/tuples of) tensors.
+        device: "cpu", "cuda[:N]", "xla[:N]" or a ``torch.device``.
+        prefetch: batches copied ahead of the one in use (CUDA side stream, XLA device queue).
+        non_blocking: asynchronous copies (sources are pinned first when not already).
+        channels_last: put 4-d tensors in channels-last memory format on the device.
+        dtype: convert floating-point tensors to this dtype on the device (labels keep theirs).
+        input_sharding: XLA SPMD sharding spec(s), passed to torch_xla's loader.
+        hooks: ``hook(metrics, step)`` callables, called every ``log_every`` steps with
+            ``data/wait_ms``, ``data/step_ms``, ``data/wait_share`` and ``data/samples_per_s``
+            (e.g. ``lambda m, s: wandb.log(m, step=s)``).
+        data_bound_above: wait share above which :meth:`report` says data-bound.
+
+    On CPU the batches pass through (only ``dtype``/``channels_last`` applied) with the same
+    metrics. :meth:`report` says whether the loop is data- or compute-bound, and why.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        device: str | torch.device = "cuda",
+        *,
+        prefetch: int = 2,
+        non_blocking: bool = True,
+        channels_last: bool = False,
+        dtype: torch.dtype | None = None,
+        input_sharding: Any = None,
+        hooks: Sequence[Hook] = (),
+        log_every: int = 50,
+        data_bound_above: float = DATA_BOUND_ABOVE,
+    ) -> None:
+        if not isinstance(loader, Iterable):
+            raise ConfigError(f"DeviceLoader needs an iterable of batches, got {loader!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"DeviceLoader prefetch must be an int >= 0, got {prefetch!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"DeviceLoader dtype must be a torch.dtype, got {dtype!r}")
+        if not 0 < data_bound_above < 1:
+            raise ConfigError(f"data_bound_above must be in (0, 1), got {data_bound_above!r}")
+        self.loader = loader
+        self.device = resolve_device(device)
+        if input_sharding is not None and self.device.type != "xla":
+            raise ConfigError("DeviceLoader input_sharding is for XLA devices only")
+        if self.device.type == "xla":
+            check_sharding(loader)
+        self.prefetch, self.non_blocking, self.input_sharding = (
+            prefetch,
+            non_blocking,
+            input_sharding,
+        )
+        self.channels_last, self.dtype = channels_last, dtype
+        self.data_bound_above = data_bound_above
+        self.meter = Meter(hooks, log_every)
+        self._delivered = 0
+
+    def __repr__(self) -> str:
+        return f"DeviceLoader({self.loader!r}, device={str(self.device)!r})"
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        self._delivered = 0
+        for batch in self.meter.timed(self._batches()):
+            self._delivered += 1
+            yield batch
+
+    def _batches(self) -> Iterator[Any]:
+        kind = self.device.type
+        if kind == "cuda":
+            return cuda_batches(
+                iter(self.loader),
+                self.device,
+                prefetch=self.prefetch,
+                non_blocking=self.non_blocking,
+                convert=self._convert,
+            )
+        if kind == "xla":
+            uploads = xla_batches(
+                self.loader, self.device, prefetch=self.prefetch, input_sharding=self.input_sharding
+            )
+            if self.dtype is None and not self.channels_last:
+                return uploads
+            return (map_tensors(batch, self._convert) for batch in uploads)
+        return (map_tensors(batch, self._move) for batch in self.loader)
+
+    def _move(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._convert(tensor.to(self.device, non_blocking=self.non_blocking))
+
+    def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        if self.channels_last and tensor.ndim == 4:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    # -- metrics and checkpoints ---------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Wait vs step time, throughput, stage counters, and the data/compute verdict."""
+        return stall_report(
+            self.meter.stats, counters_of(self.loader), data_bound_above=self.data_bound_above
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state at the next batch the loop has not seen (prefetched ones are not
+        counted as seen)."""
+        save: Callable[..., dict[str, Any]] | None = getattr(self.loader, "state_dict", None)
+        if save is None:
+            raise ConfigError(f"DeviceLoader: {self.loader!r} has no state_dict() to resume from")
+        try:
+            return save(consumed_batches=self._delivered)
+        except TypeError:  # a loader that cannot be told how much was used
+            raise ConfigError(
+                f"DeviceLoader: {type(self.loader).__name__}.state_dict() cannot skip prefetched "
+                "batches; use fastload.DataLoader"
+            ) from None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load = getattr(self.loader, "load_state_dict", None)
+        if load is None:
+            raise ConfigError(f"DeviceLoader: {self.loader!r} has no load_state_dict()")
+        load(state)
+        self._delivered = 0
+
+
+def counters_of(loader: object) -> StageCounters | None:
+    """The stage counters behind a loader: a fastload.DataLoader's (workers included), or an
+    in-process dataset's (None when they live in worker processes or nowhere)."""
+    get = getattr(loader, "stage_counters", None)
+    if not callable(get) and not getattr(loader, "num_workers", 0):
+        get = getattr(getattr(loader, "dataset", None), "stage_counters", None)
+    counters = get() if callable(get) else None
+    return counters if isinstance(counters, StageCounters) else None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A checked ``torch.device``; "xla" becomes this process's XLA device."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"DeviceLoader: unknown device {device!r}; expected 'cpu', 'cuda[:N]', 'xla[:N]' "
+            "or a torch.device"
+        ) from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"DeviceLoader: device {device!r} but CUDA is not available")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"DeviceLoader: device {device!r} but only {torch.cuda.device_count()} GPU(s)"
+            )
+        index = torch.cuda.current_device() if resolved.index is None else resolved.index
+        return torch.device("cuda", index)
+    if resolved.type == "xla":
+        return xla_device(resolved)
+    return resolved

@@ -1,0 +1,394 @@
+"""torch's DataLoader with defaults for remote data, a stall meter and an exact resume point.
+
+Nothing of torch's loader is forked: :class:`DataLoader` subclasses it and only chooses the
+arguments, wraps ``collate_fn``/``worker_init_fn`` (to carry the workers' counters back with each
+batch) and wraps the iterator (to time the loop and count what it consumed).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import re
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+from fastload.errors import ConfigError
+from fastload.sampler import PermutationSampler, _default_rank_world, _splitmix64
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, stall_report
+from fastload.stats import StageCounters
+
+__all__ = ["DataLoader", "default_workers"]
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_END = object()
+
+
+def default_workers() -> int:
+    """Worker processes when none are asked for: none on 1-2 cores (a background thread loads
+    instead, without pickling every batch), else half the cores, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    return 0 if cores <= 2 else min(8, cores // 2)
+
+
+class DataLoader(tud.DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` (same arguments) with defaults for remote data.
+
+    Differences from torch's defaults, each overridable:
+
+    - map-style datasets get a :class:`fastload.PermutationSampler` (``shuffle`` and ``seed``),
+      sharded over torch.distributed / torch_xla ranks, so no rank ever gets zero samples;
+    - ``num_workers``: :func:`default_workers`; with 0, batches load in a background thread
+      (``background=True``) so loading overlaps the training step;
+    - workers start with ``forkserver`` (fork-safe: no inherited client connections or
+      threads) when the dataset pickles, stay alive across epochs, and prefetch 4 batches each;
+    - ``pin_memory`` when CUDA is available; worker seeds derive from ``seed`` and the rank;
+    - ``lookahead``: batches ahead of the workers whose missing samples a caching
+      :class:`fastload.RemoteDataset` fetches into its cache in the background.
+
+    :meth:`state_dict` records the next sample the loop has not seen (batches prefetched by
+    workers are not counted); :meth:`load_state_dict` resumes there in O(1).
+    :meth:`report` says whether the loop is data- or compute-bound.
+    """
+
+    def __init__(  # noqa: PLR0917 (torch's DataLoader takes these positionally)
+        self,
+        dataset: tud.Dataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: tud.Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: tud.Sampler[Sequence[Any]] | Iterable[Sequence[Any]] | None = None,
+        num_workers: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool | None = None,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        seed: int = 0,
+        background: bool = True,
+        lookahead: int = 4,
+        hooks: Sequence[Hook] = (),
+        log_every: int = 50,
+        **kwargs: Any,
+    ) -> None:
+        workers = default_workers() if num_workers is None else num_workers
+        if not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"DataLoader num_workers must be an int >= 0, got {num_workers!r}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError(f"DataLoader lookahead must be an int >= 0, got {lookahead!r}")
+        if (
+            sampler is None
+            and batch_sampler is None
+            and not isinstance(dataset, tud.IterableDataset)
+        ):
+            if not hasattr(dataset, "__len__"):
+                raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
+            sampler = PermutationSampler(len(dataset), shuffle=bool(shuffle), seed=seed)
+            shuffle = None
+        auto_collation = batch_sampler is not None or batch_size is not None
+        collate = collate_fn or (tud.default_collate if auto_collation else tud.default_convert)
+        if workers:
+            collate = _WorkerCollate(collate)
+            worker_init_fn = _WorkerInit(worker_init_fn)
+            if multiprocessing_context is None:
+                multiprocessing_context = _fork_safe_context(dataset, collate, worker_init_fn)
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,  # type: ignore[arg-type]
+            num_workers=workers,
+            collate_fn=collate,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator or torch.Generator().manual_seed(_worker_seed(seed)),
+            prefetch_factor=prefetch_factor if prefetch_factor or not workers else 4,
+            persistent_workers=bool(workers) if persistent_workers is None else persistent_workers,
+            **kwargs,
+        )
+        self.background = background
+        self.lookahead = lookahead
+        self.meter = Meter(hooks, log_every)
+        self._consumed = 0  # batches handed to the loop in the current pass
+        self._worker_counters = StageCounters()
+
+    # -- iteration -----------------------------------------------------------------------------
+    @property
+    def _index_sampler(self) -> Any:
+        """What torch's iterators draw indices from, with the lookahead prefetch in front."""
+        base = super()._index_sampler
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if not (self.lookahead and self._auto_collation and callable(prefetch)):
+            return base
+        if getattr(self.dataset, "cache", None) is None:
+            return base
+        return _Lookahead(base, prefetch, self.lookahead)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._consumed = 0
+        batches: Iterator[Any] = super().__iter__()
+        if self.num_workers == 0 and self.background:
+            batches = _in_background(batches, depth=2)
+        return self._deliver(batches)
+
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for item in self.meter.timed(self._unwrapped(batches)):
+            self._consumed += 1
+            yield item
+
+    def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for item in batches:
+            if isinstance(item, _Counted):
+                self._worker_counters.merge(item.counters)
+                yield item.batch
+            else:
+                yield item
+
+    # -- metrics -------------------------------------------------------------------------------
+    def stage_counters(self) -> StageCounters | None:
+        """Dataset/fetch/cache counters of this process and every worker (None if the dataset
+        keeps none)."""
+        own = getattr(self.dataset, "stage_counters", None)
+        if not callable(own):
+            return None
+        total: StageCounters = copy.deepcopy(own())
+        total.merge(self._worker_counters)
+        return total
+
+    def report(self, data_bound_above: float = DATA_BOUND_ABOVE) -> dict[str, Any]:
+        """Wait vs step time, throughput, stage counters, and the data/compute verdict."""
+        return stall_report(
+            self.meter.stats, self.stage_counters(), data_bound_above=data_bound_above
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self, consumed_batches: int | None = None) -> dict[str, Any]:
+        """Where the current pass stands: the sampler's state at the next unseen sample.
+
+        ``consumed_batches``: batches the loop really used, when something between this loader
+        and the loop (e.g. a :class:`fastload.DeviceLoader`) holds some back; by default, all
+        batches this loader handed out.
+        """
+        sampler = self._resumable_sampler()
+        consumed = self._consumed if consumed_batches is None else consumed_batches
+        if not 0 <= consumed <= self._consumed:
+            raise ConfigError(
+                f"DataLoader.state_dict: consumed_batches must be in [0, {self._consumed}], "
+                f"got {consumed}"
+            )
+        per_batch = self.batch_size or 1
+        samples = min(consumed * per_batch, len(sampler))
+        return {"version": _STATE_VERSION, "sampler": sampler.state_dict(local_consumed=samples)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved position: the next pass starts with the first unseen sample."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"DataLoader.load_state_dict: not a fastload DataLoader state (version "
+                f"{_STATE_VERSION}): {str(state)[:80]!r}"
+            )
+        self._resumable_sampler().load_state_dict(state["sampler"])
+        self._consumed = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order (forwarded to the sampler)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is None:
+            raise ConfigError(f"DataLoader.set_epoch: {self.sampler!r} has no set_epoch")
+        set_epoch(epoch)
+
+    def _resumable_sampler(self) -> Any:
+        sampler = self.sampler
+        if self.batch_sampler is not None and self.batch_size is None:
+            raise ConfigError(
+                "DataLoader: resuming needs batch_size and sampler (a custom batch_sampler's "
+                "position cannot be known)"
+            )
+        if not isinstance(sampler, PermutationSampler):
+            raise ConfigError(
+                f"DataLoader: cannot resume with {type(sampler).__name__}; use "
+                "fastload.PermutationSampler (the default) to get a resumable position"
+            )
+        return sampler
+
+
+# --- workers --------------------------------------------------------------------------------
+
+
+class _Counted:
+    """A batch from a worker, with the counters the worker gathered since its last batch."""
+
+    __slots__ = ("batch", "counters")
+
+    def __init__(self, batch: Any, counters: StageCounters) -> None:
+        self.batch = batch
+        self.counters = counters
+
+    def pin_memory(self) -> _Counted:  # called by torch's pin-memory thread
+        return _Counted(_pin(self.batch), self.counters)  # type: ignore[no-untyped-call]
+
+
+def _worker_counters() -> StageCounters | None:
+    info = tud.get_worker_info()
+    get = getattr(info.dataset, "stage_counters", None) if info is not None else None
+    return get() if callable(get) else None
+
+
+class _WorkerCollate:
+    """Collate, then attach the worker's counters (drained) to the batch."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self.collate(samples)
+        counters = _worker_counters()
+        return batch if counters is None else _Counted(batch, counters.drain())
+
+
+class _WorkerInit:
+    """Start each worker's counters at zero (a worker's dataset copy carries the parent's)."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        counters = _worker_counters()
+        if counters is not None:
+            counters.drain()
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def _fork_safe_context(*parts: object) -> Any:
+    """forkserver where it works as a drop-in, else None (torch's default, fork).
+
+    forkserver workers re-import the main script (as ``__mp_main__``), so it must be guarded by
+    ``if __name__ == "__main__":``; and the dataset and functions must pickle, by reference to
+    something the worker can import.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    main_path = getattr(sys.modules.get("__main__"), "__file__", None)
+    why = None
+    if main_path is not None and not _guarded(main_path):
+        why = f"the main script {main_path} has no 'if __name__ == \"__main__\":' guard"
+    else:
+        try:
+            pickled = pickle.dumps(parts)
+        except Exception as exc:  # lambdas, local classes, open handles...
+            why = f"the dataset or its functions do not pickle ({type(exc).__name__}: {exc})"
+        else:
+            if main_path is None and b"__main__" in pickled:
+                why = "the dataset uses classes defined interactively (in __main__)"
+    if why is not None:
+        log.info("DataLoader: workers start with fork, not forkserver: %s", why)
+        return None
+    return multiprocessing.get_context("forkserver")
+
+
+_MAIN_GUARD = re.compile(rb"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
+
+
+def _guarded(path: str) -> bool:
+    try:
+        return _MAIN_GUARD.search(Path(path).read_bytes()) is not None
+    except OSError:
+        return False
+
+
+def _worker_seed(seed: int) -> int:
+    rank, _ = _default_rank_world()
+    return _splitmix64((seed & (2**64 - 1)) ^ _splitmix64(rank + 1)) >> 1
+
+
+# --- background loading and lookahead ---------------------------------------------------------
+
+
+def _in_background(batches: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Produce ``batches`` in a thread, ``depth`` ahead; errors re-raise in the consumer."""
+    ready: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any, error: BaseException | None = None) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put((item, error), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(batch):
+                    return
+            put(_END)
+        except BaseException as exc:
+            put(_END, exc)
+
+    threading.Thread(target=produce, name="fastload-loader", daemon=True).start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+class _Lookahead:
+    """Batches of indices as they come, asking ``prefetch`` for those ``depth`` batches ahead."""
+
+    def __init__(self, batches: Any, prefetch: Callable[[Any], Future[None]], depth: int) -> None:
+        self.batches, self.prefetch, self.depth = batches, prefetch, depth
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        source = iter(self.batches)
+        ahead: deque[Any] = deque()
+        started: deque[Future[None]] = deque()
+        try:
+            for batch in source:
+                ahead.append(batch)
+                if len(ahead) > self.depth:
+                    yield ahead.popleft()
+                    started.append(self.prefetch(batch))
+                    if len(started) > self.depth:
+                        started.popleft()
+            while ahead:
+                yield ahead.popleft()
+        finally:
+            for future in started:
+                future.cancel()

@@ -1,0 +1,207 @@
+"""DeviceLoader (CPU here; CUDA tests marked ``cuda``), the stall report and diagnose()."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import namedtuple
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fastload
+from fastload import (
+    Cache,
+    ConfigError,
+    DeviceLoader,
+    MissingExtraError,
+    RemoteDataset,
+    UnsupportedSampleError,
+)
+from fastload.testing import FaultProxy, Faults, S3Server
+from tests.conftest import BUCKET
+from tests.test_dataset import upload
+
+Pair = namedtuple("Pair", ["x", "y"])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+class Batches:
+    """``count`` batches of ``size`` samples, each taking ``delay`` seconds to produce."""
+
+    def __init__(self, count: int = 12, size: int = 4, delay: float = 0.0) -> None:
+        self.count, self.size, self.delay = count, size, delay
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(self.count):
+            time.sleep(self.delay)
+            yield {"x": torch.full((self.size, 3, 4, 4), float(i)), "y": torch.arange(self.size)}
+
+
+def run(loader: DeviceLoader, step: float) -> dict[str, Any]:
+    for _ in loader:
+        time.sleep(step)
+    return loader.report()
+
+
+def test_cpu_passes_batches_through_with_conversions() -> None:
+    batch = {
+        "img": torch.rand(2, 3, 4, 4),
+        "label": torch.tensor([1, 2]),
+        "pair": Pair(np.ones((2, 2), np.float32), "id"),
+        "names": ["a", "b"],
+        "none": None,
+    }
+    (same,) = list(DeviceLoader([batch], "cpu"))
+    assert same["img"] is batch["img"] and same["names"] == ["a", "b"] and same["none"] is None
+    assert isinstance(same["pair"], Pair) and torch.equal(same["pair"].x, torch.ones(2, 2))
+    (half,) = list(DeviceLoader([batch], "cpu", dtype=torch.bfloat16, channels_last=True))
+    assert half["img"].dtype == torch.bfloat16 and half["label"].dtype == torch.int64
+    assert half["img"].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(half["img"].float(), batch["img"].bfloat16().float())
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(ConfigError, match="unknown device 'gpu'"):
+        DeviceLoader([], "gpu")
+    with pytest.raises(ConfigError, match="iterable of batches"):
+        DeviceLoader(3, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prefetch"):
+        DeviceLoader([], "cpu", prefetch=-1)
+    with pytest.raises(ConfigError, match="input_sharding is for XLA"):
+        DeviceLoader([], "cpu", input_sharding=object())
+    with pytest.raises(UnsupportedSampleError, match=r"batch\['meta'\]\[1\] is a builtins.set"):
+        list(DeviceLoader([{"meta": [1, {2}]}], "cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            DeviceLoader([], "cuda")
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingExtraError, match=r"fastload\[xla\]"):
+            DeviceLoader([], "xla")
+
+
+def test_the_verdict_flips_between_a_slow_loader_and_a_slow_step() -> None:
+    slow_loader = run(DeviceLoader(Batches(delay=0.03), "cpu"), step=0.0)
+    assert slow_loader["bound"] == "data" and slow_loader["wait_share"] > 0.8
+    assert "no stage counters" in slow_loader["cause"]
+    slow_step = run(DeviceLoader(Batches(delay=0.0), "cpu"), step=0.03)
+    assert slow_step["bound"] == "compute" and slow_step["wait_share"] < 0.1
+    assert slow_step["samples"] == 48 and slow_step["steps"] == 12
+    assert 0.025 < slow_step["step_p50_ms"] / 1e3 < 0.1
+    assert "compute-bound" in slow_step["verdict"]
+    assert run(DeviceLoader([], "cpu"), step=0)["bound"] == "unknown"
+
+
+def test_hooks_get_metrics_every_n_steps_and_cannot_break_training() -> None:
+    calls: list[tuple[int, dict[str, float]]] = []
+
+    def broken(metrics: dict[str, float], step: int) -> None:
+        raise RuntimeError("logging backend down")
+
+    loader = DeviceLoader(
+        Batches(count=10), "cpu", hooks=[lambda m, s: calls.append((s, m)), broken], log_every=4
+    )
+    assert len(list(loader)) == 10
+    assert [s for s, _ in calls] == [4, 8]
+    assert set(calls[0][1]) == {
+        "data/wait_ms",
+        "data/step_ms",
+        "data/wait_share",
+        "data/samples_per_s",
+    }
+    with pytest.raises(ConfigError, match="hooks must be callables"):
+        DeviceLoader([], "cpu", hooks=["wandb"])  # type: ignore[list-item]
+
+
+def test_diagnose_says_which_side_limits() -> None:
+    def step(seconds: float) -> Any:
+        return lambda batch: time.sleep(seconds)
+
+    data = fastload.diagnose(Batches(delay=0.02), step(0.002), steps=8)
+    assert data["bound"] == "data" and data["loader_batches_per_s"] < data["step_per_s"]
+    compute = fastload.diagnose(Batches(delay=0.0), step(0.02), steps=8)
+    assert compute["bound"] == "compute" and "compute-bound" in compute["verdict"]
+    alone = fastload.diagnose(Batches(), steps=4)
+    assert alone["bound"] == "unknown" and alone["loader_batches_per_s"] > 0
+    with pytest.raises(ConfigError, match="yielded no batches"):
+        fastload.diagnose([], steps=2)
+
+
+def test_state_dict_through_the_device_loader_skips_nothing() -> None:
+    data = [(torch.full((2,), float(i)), i) for i in range(30)]
+
+    def device_loader() -> DeviceLoader:
+        return DeviceLoader(fastload.DataLoader(data, batch_size=3, shuffle=True), "cpu")
+
+    first = device_loader()
+    seen: list[int] = []
+    for step, (_, y) in enumerate(first):
+        seen += y.tolist()
+        if step == 2:
+            state = first.state_dict()
+            break
+    resumed = device_loader()
+    resumed.load_state_dict(state)
+    rest = [int(v) for _, y in resumed for v in y]
+    assert sorted(seen + rest) == list(range(30)) and len(seen) == 9
+    with pytest.raises(ConfigError, match="no state_dict"):
+        DeviceLoader([], "cpu").state_dict()
+
+
+def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    root = upload(f"s3://{BUCKET}/dv-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 64)
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.06)) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = RemoteDataset(
+            root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
+        )
+        loader = fastload.DataLoader(dataset, batch_size=8, num_workers=0, lookahead=0)
+        cold = run(DeviceLoader(loader, "cpu"), step=0.005)
+        warm = run(DeviceLoader(loader, "cpu"), step=0.02)
+    assert cold["bound"] == "data", cold["verdict"]
+    assert "cache misses: 100%" in cold["cause"] and "fetch latency p50" in cold["cause"]
+    assert cold["fetch"]["objects"] == 64
+    assert warm["bound"] == "compute", warm["verdict"]
+    assert warm["cache"]["hits"] == 64
+
+
+# --- CUDA (run on a GPU machine; skipped elsewhere) --------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_batches_arrive_intact_under_a_busy_compute_stream() -> None:
+    loader = DeviceLoader(Batches(count=40, size=64), "cuda", prefetch=3, dtype=torch.float16)
+    for i, batch in enumerate(loader):
+        torch.cuda._sleep(2_000_000)  # keep the compute stream busy while copies run
+        assert batch["x"].device.type == "cuda" and batch["x"].dtype == torch.float16
+        assert batch["y"].dtype == torch.int64
+        assert bool((batch["x"] == i).all())  # never read before its copy finished
+    assert loader.report()["steps"] == 40
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_copies_from_pinned_memory_overlap_compute() -> None:
+    source = fastload.DataLoader(
+        [torch.rand(3, 224, 224) for _ in range(256)], batch_size=32, pin_memory=True
+    )
+    weights = torch.rand(4096, 4096, device="cuda")
+    loader = DeviceLoader(source, "cuda", prefetch=2)
+    for _batch in loader:
+        for _ in range(8):
+            weights = weights @ weights / 4096
+        torch.cuda.synchronize()
+    report = loader.report()
+    assert report["bound"] == "compute", report["verdict"]

@@ -1,0 +1,185 @@
+"""fastload.DataLoader: defaults, exact resume, background loading, worker counters, lookahead."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, RandomSampler
+
+import fastload
+from fastload import Cache, ConfigError, PermutationSampler, RemoteDataset
+from fastload.loader import _fork_safe_context, default_workers
+from fastload.testing import FaultProxy, Faults, S3Server
+from tests.conftest import BUCKET
+from tests.test_dataset import upload
+
+
+class Numbers(Dataset[tuple[torch.Tensor, int]]):
+    """Sample i is (a tensor filled with i, i); ``bad`` indices raise."""
+
+    def __init__(self, n: int, bad: frozenset[int] = frozenset()) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index in self.bad:
+            raise ValueError(f"sample {index} is broken")
+        return torch.full((3,), float(index)), index
+
+
+def labels(loader: Any) -> list[int]:
+    return [int(v) for _, y in loader for v in y]
+
+
+def test_defaults_for_remote_data() -> None:
+    loader = fastload.DataLoader(Numbers(10), batch_size=4, shuffle=True, num_workers=2)
+    assert isinstance(loader.sampler, PermutationSampler) and loader.sampler.shuffle
+    assert loader.persistent_workers and loader.prefetch_factor == 4
+    assert loader.multiprocessing_context is multiprocessing.get_context("forkserver")
+    assert loader.pin_memory == torch.cuda.is_available()
+    assert fastload.DataLoader(Numbers(10)).num_workers == default_workers()
+    plain = fastload.DataLoader(Numbers(10), batch_size=4, num_workers=0)
+    assert isinstance(plain.sampler, PermutationSampler) and not plain.sampler.shuffle
+    assert labels(plain) == list(range(10))
+    # same seed, same order; another seed, another order; torch's arguments still work
+    orders = [labels(fastload.DataLoader(Numbers(50), 5, True, seed=s)) for s in (1, 1, 2)]
+    assert orders[0] == orders[1] != orders[2] and sorted(orders[0]) == list(range(50))
+    custom = fastload.DataLoader(Numbers(8), batch_size=2, sampler=RandomSampler(Numbers(8)))
+    assert sorted(labels(custom)) == list(range(8))
+
+
+def test_iterable_datasets_pass_through() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(7))
+
+    assert [int(v) for b in fastload.DataLoader(Stream(), batch_size=3) for v in b] == list(
+        range(7)
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_at_the_next_unseen_sample(workers: int) -> None:
+    def loader() -> fastload.DataLoader:
+        return fastload.DataLoader(Numbers(103), batch_size=10, shuffle=True, num_workers=workers)
+
+    first = loader()
+    first.set_epoch(3)
+    seen: list[int] = []
+    for step, (_, y) in enumerate(first):
+        seen += y.tolist()
+        if step == 3:  # workers (and the background thread) have prefetched further by now
+            state = first.state_dict()
+            break
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = labels(resumed)
+    assert len(seen) == 40 and len(rest) == 63
+    assert sorted(seen + rest) == list(range(103))  # every sample exactly once
+    full = loader()
+    full.set_epoch(3)
+    assert seen + rest == labels(full)  # and in the epoch's own order
+
+
+def test_resume_refuses_foreign_state_and_unresumable_samplers() -> None:
+    loader = fastload.DataLoader(Numbers(10), batch_size=2, shuffle=True, seed=1)
+    other = fastload.DataLoader(Numbers(10), batch_size=2, shuffle=True, seed=2)
+    with pytest.raises(ConfigError, match="seed=1 but this sampler has seed=2"):
+        other.load_state_dict(loader.state_dict())
+    with pytest.raises(ConfigError, match="not a fastload DataLoader state"):
+        loader.load_state_dict({"position": 3})
+    random = fastload.DataLoader(Numbers(10), batch_size=2, sampler=RandomSampler(Numbers(10)))
+    with pytest.raises(ConfigError, match="cannot resume with RandomSampler"):
+        random.state_dict()
+    with pytest.raises(ConfigError, match="consumed_batches must be in"):
+        loader.state_dict(consumed_batches=1)
+    with pytest.raises(ConfigError, match="num_workers"):
+        fastload.DataLoader(Numbers(10), num_workers=-1)
+    with pytest.raises(ConfigError, match="has no __len__"):
+        fastload.DataLoader(Dataset())
+
+
+def test_errors_from_the_background_thread_reach_the_loop() -> None:
+    loader = fastload.DataLoader(Numbers(40, bad=frozenset({25})), batch_size=5, num_workers=0)
+    got: list[int] = []
+    with pytest.raises(ValueError, match="sample 25 is broken"):
+        for _, y in loader:
+            got += y.tolist()
+    assert got == list(range(25))  # everything before the bad batch arrived, in order
+
+
+def test_forkserver_only_where_it_is_a_drop_in(tmp_path: Path) -> None:
+    assert _fork_safe_context(Numbers(3)) is multiprocessing.get_context("forkserver")
+    assert _fork_safe_context(lambda: 1) is None  # does not pickle: fork
+    # a script without a __main__ guard would rerun itself in forkserver workers: fork instead
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, fastload
+            data = [torch.tensor([i]) for i in range(12)]
+            loader = fastload.DataLoader(data, batch_size=4, num_workers=2)
+            print(sorted(int(v) for b in loader for v in b), loader.multiprocessing_context)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == f"{list(range(12))} None"
+
+
+@pytest.fixture
+def remote(seaweed: S3Server) -> tuple[str, dict[str, Any]]:
+    options = seaweed.storage_options()
+    return upload(f"s3://{BUCKET}/ld-{uuid.uuid4().hex[:8]}", options, 48), options
+
+
+def test_worker_counters_reach_the_report(
+    remote: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = remote
+    dataset = RemoteDataset(
+        root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
+    )
+    loader = fastload.DataLoader(dataset, batch_size=8, num_workers=2, lookahead=0)
+    assert len(torch.cat(list(loader))) == 48
+    cold = loader.stage_counters()
+    assert cold is not None
+    assert cold.fetch.objects == 48 and cold.cache.misses == 48 and cold.dataset.samples == 48
+    assert dataset.stage_counters().fetch.objects == 0  # all of it happened in the workers
+    list(loader)  # a warm epoch through the same (persistent) workers
+    warm = loader.stage_counters()
+    assert warm is not None and warm.cache.hits == 48 and warm.fetch.objects == 48
+    report = loader.report()
+    assert report["cache"]["hits"] == 48 and report["samples"] == 96
+
+
+def test_lookahead_fetches_ahead_of_the_workers(
+    seaweed: S3Server, remote: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, _ = remote
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = RemoteDataset(
+            root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
+        )
+        loader = fastload.DataLoader(dataset, batch_size=4, num_workers=1, lookahead=4)
+        values = sorted(int(b[i, 0, 0]) for b in loader for i in range(len(b)))
+    assert values == list(range(48))
+    ahead = dataset.stage_counters().fetch.objects  # fetched by the main process's lookahead
+    total = loader.stage_counters()
+    assert total is not None
+    assert 0 < ahead < 48
+    assert total.fetch.objects == 48  # each object fetched once: by the lookahead or a worker
