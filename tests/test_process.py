@@ -74,3 +74,15 @@ def test_missing_weed_binary_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ServerStartError, match=r"fastload\[testing\]"):
         s3._weed_binary()
+
+
+def test_a_port_taken_before_binding_is_retried_on_a_fresh_one() -> None:
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        proxy = FaultProxy("http://127.0.0.1:9", flavor="s3")
+        proxy.port = squatter.getsockname()[1]  # lost the race: someone bound it first
+        with proxy:
+            assert proxy.running and proxy.port != squatter.getsockname()[1]

@@ -62,9 +62,14 @@ class ServerProcess:
 
     name = "server"
     startup_timeout = 30.0
+    start_attempts = 3  # fresh ports after a lost bind race with another process
 
     def __init__(self) -> None:
+        self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._new_workdir()
+
+    def _new_workdir(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix=f"fastload-{self.name}-")
         self.workdir = Path(self._tmp.name)
         self.log_path = self.workdir / "server.log"
@@ -92,6 +97,21 @@ class ServerProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> Self:
+        """Start and wait until ready; a port taken between choosing and binding it (another
+        process won the race) is retried on fresh ports."""
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                return self._start_once()
+            except ServerStartError as exc:
+                raced = "address already in use" in str(exc).lower()
+                if attempt == self.start_attempts or not raced:
+                    raise
+                logger.warning("%s lost a port race (attempt %d); new ports", self.name, attempt)
+                self.port = free_port()
+                self._new_workdir()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Self:
         if self._proc is not None:
             raise RuntimeError(f"{self.name} is already started (pid {self._proc.pid})")
         env = {**os.environ, **self.environment()}

@@ -8,7 +8,6 @@ from typing import Any
 from fastload._extras import import_extra
 from fastload.testing._process import (
     ServerProcess,
-    free_port,
     http_answers,
     python_module_command,
 )
@@ -23,10 +22,6 @@ class B2Server(ServerProcess):
     name = "b2-server"
     key_id = KEY_ID
     key = KEY
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.port = free_port()
 
     @property
     def endpoint(self) -> str:

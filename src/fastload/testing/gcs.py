@@ -8,7 +8,7 @@ from typing import Any
 
 from fastload._extras import import_extra
 from fastload.errors import ServerStartError
-from fastload.testing._process import ServerProcess, free_port, http_answers
+from fastload.testing._process import ServerProcess, http_answers
 
 PROJECT = "fastload-test"
 
@@ -31,10 +31,6 @@ class FakeGcsServer(ServerProcess):
     """fake-gcs-server over plain HTTP with an in-memory backend."""
 
     name = "fake-gcs-server"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.port = free_port()
 
     @property
     def endpoint(self) -> str:

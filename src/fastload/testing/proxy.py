@@ -19,7 +19,6 @@ from typing import Any, Literal
 from fastload.errors import ConfigError
 from fastload.testing._process import (
     ServerProcess,
-    free_port,
     http_answers,
     python_module_command,
 )
@@ -89,7 +88,6 @@ class FaultProxy(ServerProcess):
         self.upstream = upstream.rstrip("/")
         self.flavor = flavor
         self.initial_faults = faults or Faults()
-        self.port = free_port()
 
     @property
     def endpoint(self) -> str:

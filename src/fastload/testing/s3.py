@@ -29,10 +29,6 @@ class S3Server(ServerProcess):
     access_key = ACCESS_KEY
     secret_key = SECRET_KEY
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.port = free_port()
-
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
