@@ -10,15 +10,17 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONSTRAINTS := requirements/constraints.txt
 URL ?=
 
-.PHONY: help env xla-env test test-main test-xla demo lint bench bench-quick docs clean
+.PHONY: help env xla-env test test-main test-xla soak demo lint bench bench-quick docs clean
 
 help:
 	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
 	@echo "make test   - install everything the tests need and run the whole suite (main + XLA env)"
 	@echo "make lint   - ruff + mypy --strict"
-	@echo "make bench  - benchmarks (writes benchmarks/results and docs/benchmarks.md)"
+	@echo "make bench  - benchmarks (writes benchmarks/results, the plots in docs/img)"
+	@echo "make docs   - build the docs site into site/ (mkdocs --strict)"
+	@echo "make soak   - the long soak test (FASTLOAD_SOAK_EPOCHS=12)"
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt requirements/docs.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
 		|| { echo "fastload needs Python >= 3.10 as '$(PYTHON)' (set PYTHON=...)"; exit 2; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
@@ -27,6 +29,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) torch
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -e ".[dev]"
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/bench.txt
+	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/docs.txt
 	@touch $@
 
 env: $(VENV)/.installed
@@ -47,6 +50,12 @@ test-main: env
 test-xla: xla-env
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -m xla -p no:cacheprovider tests/xla $(PYTEST_ARGS)
 
+soak: env
+	$(PY) -m pytest -m slow -s tests/test_reliability.py $(PYTEST_ARGS)
+
+docs: env
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 demo: env
 	$(PY) examples/demo.py $(if $(URL),--url $(URL),)
 
@@ -62,4 +71,4 @@ bench-quick: env
 	$(PY) -m benchmarks --quick
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(XLA_VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -31,6 +31,27 @@ _b2 = import_extra("b2sdk.v2", extra="b2", feature="b2:// URLs")
 Info = dict[str, Any]
 
 
+class _OneTryHttp(_b2.B2Http):  # type: ignore[misc]  # b2sdk is untyped
+    """b2sdk's HTTP layer without its own retries (up to 20 tries, sleeping 1 s, 1.5 s, ...
+    in the calling thread). fastload's fetch and listing retry with their own bounded,
+    counted backoff; b2sdk's sleeps would hide faults, blow through timeouts and keep
+    abandoned threads (and interpreter exit) waiting for minutes."""
+
+    @classmethod
+    def _translate_and_retry(
+        cls, fcn: Any, try_count: int, post_params: dict[str, Any] | None = None
+    ) -> Any:
+        return super()._translate_and_retry(fcn, 1, post_params)
+
+
+class _OneTrySession(_b2.B2Session):  # type: ignore[misc]
+    B2HTTP_CLASS = _OneTryHttp
+
+
+class _B2Api(_b2.B2Api):  # type: ignore[misc]
+    SESSION_CLASS = _OneTrySession
+
+
 @contextmanager
 def _translated(path: str) -> Iterator[None]:
     try:
@@ -75,7 +96,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         """The authorized B2Api, created lazily and afresh after a fork."""
         with self._lock:
             if self._api_pid != os.getpid():
-                api = _b2.B2Api(_b2.InMemoryAccountInfo())
+                api = _B2Api(_b2.InMemoryAccountInfo())
                 with _translated(""):
                     api.authorize_account(self._realm, self._key_id, self._key)
                 self._api_obj, self._api_pid, self._buckets = api, os.getpid(), {}
