@@ -54,7 +54,7 @@ soak: env
 	$(PY) -m pytest -m slow -s tests/test_reliability.py $(PYTEST_ARGS)
 
 docs: env
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 demo: env
 	$(PY) examples/demo.py $(if $(URL),--url $(URL),)

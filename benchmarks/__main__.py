@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, sampler, stall, stores
+from benchmarks import cache, plots, sampler, stall, stores
 
 SCENARIOS = {
     "sampler": sampler.run,
@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         (args.results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"\n## {name} ({'quick' if args.quick else 'full'}, {record['date']})\n")
         print(table(rows))
+    for image in plots.render(args.results):
+        print(f"plot: {image}")
 
 
 if __name__ == "__main__":

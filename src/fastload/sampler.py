@@ -141,8 +141,9 @@ class PermutationSampler(Sampler[int]):
         n: dataset length.
         shuffle: shuffle per epoch (``False``: ``0, 1, 2, ...`` sharded the same way).
         seed: same seed and epoch give the same order on every machine.
-        rank, world_size: default from ``torch.distributed`` when initialised, else from
-            torch_xla's runtime when in use, else ``(0, 1)``.
+        rank: this process's rank; by default from ``torch.distributed`` when initialised,
+            else from torch_xla's runtime when in use, else 0.
+        world_size: number of ranks, from the same sources (else 1).
         drop_last: drop the tail that does not divide evenly (never down to zero samples: with
             fewer samples than ranks, the epoch is padded instead). Otherwise the epoch is padded
             by wrapping; padding always comes last on each rank, see :attr:`num_real_samples`.
