@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+import matplotlib.pyplot as plt  # (after choosing the backend)
 
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "img"
 
@@ -37,7 +37,12 @@ def render(results: Path, out: Path = IMAGES) -> list[Path]:
 
 
 def _bars(
-    rows: list[dict[str, Any]], label: str, value: str, title: str, record: dict[str, Any], path: Path
+    rows: list[dict[str, Any]],
+    label: str,
+    value: str,
+    title: str,
+    record: dict[str, Any],
+    path: Path,
 ) -> Path:
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
     names = [str(r[label]) for r in rows][::-1]

@@ -31,7 +31,12 @@ _b2 = import_extra("b2sdk.v2", extra="b2", feature="b2:// URLs")
 Info = dict[str, Any]
 
 
-class _OneTryHttp(_b2.B2Http):  # type: ignore[misc]  # b2sdk is untyped
+_Http: Any = _b2.B2Http
+_Session: Any = _b2.B2Session
+_Api: Any = _b2.B2Api
+
+
+class _OneTryHttp(_Http):  # type: ignore[misc]  # b2sdk is untyped
     """b2sdk's HTTP layer without its own retries (up to 20 tries, sleeping 1 s, 1.5 s, ...
     in the calling thread). fastload's fetch and listing retry with their own bounded,
     counted backoff; b2sdk's sleeps would hide faults, blow through timeouts and keep
@@ -44,11 +49,11 @@ class _OneTryHttp(_b2.B2Http):  # type: ignore[misc]  # b2sdk is untyped
         return super()._translate_and_retry(fcn, 1, post_params)
 
 
-class _OneTrySession(_b2.B2Session):  # type: ignore[misc]
+class _OneTrySession(_Session):  # type: ignore[misc]
     B2HTTP_CLASS = _OneTryHttp
 
 
-class _B2Api(_b2.B2Api):  # type: ignore[misc]
+class _B2Api(_Api):  # type: ignore[misc]
     SESSION_CLASS = _OneTrySession
 
 
