@@ -263,7 +263,8 @@ class Cache:
         if first:
             ours, theirs = self._claim(first)
             self._fill(out, names, digests, ours, compute)
-            self._fill(out, names, digests, self._wait_for(theirs, out, digests), compute)
+            left = self._wait_for(theirs, out, digests)  # each counted as a wait already
+            self._fill(out, names, digests, left, compute, count_waits=False)
         for i, value in enumerate(out):
             if value is _MISSING:  # a name given twice in one call
                 out[i] = out[first[digests[i]]]
@@ -305,6 +306,8 @@ class Cache:
         digests: list[str],
         locked: dict[int, FileLock],
         compute: Callable[[list[int]], Sequence[Any]],
+        *,
+        count_waits: bool = True,
     ) -> None:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
         try:
@@ -313,7 +316,7 @@ class Cache:
                 out[i] = self._load(digests[i], held=True)  # done between our read and lock?
                 if out[i] is _MISSING:
                     todo.append(i)
-                else:
+                elif count_waits:
                     self.counters.waits += 1
             if not todo:
                 return
