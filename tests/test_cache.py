@@ -520,3 +520,32 @@ def test_formats_sharing_a_directory_keep_to_their_own_entries(tmp_path: Path) -
     assert pt_cache.verify().corrupt == [] and npy_cache.verify().corrupt == []
     assert len(npy_cache) == 1 and len(pt_cache) == 1
     assert pt_cache.prune(max_bytes=1) == 1 and npy_cache.get("a") is not None
+
+
+def test_lock_dirs_created_by_many_threads_at_once_never_fail(tmp_path: Path) -> None:
+    import threading
+
+    from fastload.cache._locks import private_dirs
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(16)
+
+    def make(i: int) -> None:
+        start.wait()
+        try:
+            private_dirs(tmp_path / "locks" / f"{i % 2:02x}")
+        except BaseException as exc:  # the race once raised NotADirectoryError
+            errors.append(exc)
+
+    for _round in range(20):
+        threads = [threading.Thread(target=make, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for child in (tmp_path / "locks").iterdir():
+            child.rmdir()
+    assert errors == []
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        private_dirs(tmp_path / "afile")

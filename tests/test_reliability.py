@@ -196,9 +196,10 @@ def test_r2_kill_9_at_random_moments_loses_nothing(seaweed: S3Server, tmp_path: 
 # --- R3 concurrency -----------------------------------------------------------------------------
 
 READER = """
-import hashlib, json, sys, fastload
+import faulthandler, hashlib, json, sys, fastload
 root, cache_dir, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows its stacks, then fails
     cache = fastload.Cache(cache_dir, format="npy")
     dataset = fastload.RemoteDataset(root, decode="npy", cache=cache, storage_options=options)
     loader = fastload.DataLoader(dataset, batch_size=10, shuffle=True, num_workers=2)
@@ -220,6 +221,21 @@ def run_readers(
     ]
 
 
+def finish(procs: list[subprocess.Popen[bytes]]) -> list[bytes]:
+    """Each process's stdout once it exits (killed after 200 s); none is left running."""
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=200)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc)
+            proc.communicate()
+    return outputs
+
+
 def test_r3_four_processes_with_workers_share_one_cache(
     slow_s3: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -227,11 +243,7 @@ def test_r3_four_processes_with_workers_share_one_cache(
     script = tmp_path / "reader.py"
     script.write_text(textwrap.dedent(READER))
     cache_dir = tmp_path / "shared"
-    results = []
-    for proc in run_readers(4, root, cache_dir, options, script):
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0
-        results.append(json.loads(out))
+    results = [json.loads(out) for out in finish(run_readers(4, root, cache_dir, options, script))]
     assert all(r["bad"] == 0 and r["seen"] == list(range(300)) for r in results)
     fetched = sum(r["fetched"] for r in results)
     assert fetched == 300, [r["fetched"] for r in results]  # one fetch per key on this node
@@ -240,8 +252,7 @@ def test_r3_four_processes_with_workers_share_one_cache(
     procs = run_readers(4, root, killed_dir, options, script)
     time.sleep(3.0)
     kill_group(procs[0])
-    procs[0].communicate()
-    survivors = [json.loads(p.communicate(timeout=240)[0]) for p in procs[1:]]
+    survivors = [json.loads(out) for out in finish(procs)[1:]]
     assert all(r["bad"] == 0 and r["seen"] == list(range(300)) for r in survivors)
     assert no_lock_held(killed_dir) and Cache(killed_dir, format="npy").verify().corrupt == []
     print(

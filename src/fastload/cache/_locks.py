@@ -16,13 +16,15 @@ __all__ = ["FileLock", "private_dirs"]
 
 def private_dirs(path: Path) -> None:
     """Create ``path`` and any missing parents, each owner-only (mkdir's ``parents=True`` gives
-    the parents the default mode)."""
+    the parents the default mode). Safe against other processes creating them at once."""
     if path.is_dir():
         return
-    if path.exists():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     private_dirs(path.parent)
-    path.mkdir(mode=0o700, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:  # made by another process meanwhile, or a file is in the way
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
 
 
 class FileLock:
