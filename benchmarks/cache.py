@@ -16,11 +16,12 @@ np.load of the same array, and a random 16x128x128 crop against the full read.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,29 @@ def _npy(array: np.ndarray) -> bytes:
     out = io.BytesIO()
     np.save(out, array)
     return out.getvalue()
+
+
+@contextlib.contextmanager
+def remote_arrays(prefix: str, n: int) -> Iterator[tuple[Path, dict[str, Any], Manifest]]:
+    """``n`` arrays as .npy objects under ``s3://bench/<prefix>`` on SeaweedFS, read through
+    the proxy adding ``LATENCY``: a scratch directory, the storage options, the manifest."""
+    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
+        server.create_bucket(BUCKET)
+        filesystem("s3://x", server.storage_options()).pipe(
+            {f"{BUCKET}/{prefix}/{i:05d}.npy": _npy(_array(i)) for i in range(n)}
+        )
+        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
+            options = server.storage_options(proxy.endpoint)
+            manifest = Manifest.build(f"s3://{BUCKET}/{prefix}", storage_options=options)
+            yield Path(tmp), options, manifest
+
+
+def fetch_ceiling(options: dict[str, Any], urls: list[str], repeats: int) -> float:
+    """Median samples/s of fetching ``urls`` raw, 64 in flight."""
+    return statistics.median(
+        _rate(lambda: len(Fetcher(options, FetchConfig(concurrency=64)).fetch(urls)))
+        for _ in range(repeats)
+    )
 
 
 def _rate(run: Callable[[], int]) -> float:
@@ -92,75 +116,58 @@ def _litdata(
 
 def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
-        workdir = Path(tmp)
-        server.create_bucket(BUCKET)
-        arrays = {f"{i:05d}.npy": _array(i) for i in range(n)}
-        filesystem("s3://x", server.storage_options()).pipe(
-            {f"{BUCKET}/epochs/{k}": _npy(v) for k, v in arrays.items()}
-        )
+    with remote_arrays("epochs", n) as (workdir, options, manifest):
         local = workdir / "local"
         local.mkdir()
-        for key, array in arrays.items():
-            np.save(local / key, array)
-        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
-            options = server.storage_options(proxy.endpoint)
-            manifest = Manifest.build(f"s3://{BUCKET}/epochs", storage_options=options)
-            urls = manifest.urls()
-            ceiling = statistics.median(
-                _rate(lambda: len(Fetcher(options, FetchConfig(concurrency=64)).fetch(urls)))
-                for _ in range(repeats)
-            )
-            rows.append(
-                {
-                    "reader": "raw concurrent fetch (ceiling), 64 in flight",
-                    "samples/s (median)": ceiling,
-                }
-            )
-            for workers, batch in ((0, BATCH), (0, 256), (2, BATCH)):
-                cold: list[float] = []
-                for repeat in range(repeats):
-                    progress(f"cache/epochs: cold, {workers} workers, batch {batch} ({repeat + 1})")
-                    cache = Cache(workdir / f"cold-{workers}-{batch}-{repeat}", format="npy")
-                    dataset = RemoteDataset(
-                        manifest, decode="npy", cache=cache, storage_options=options
-                    )
-                    loader = DataLoader(dataset, batch_size=batch, num_workers=workers)
-                    cold.append(_rate(_epoch(loader)))
-                rows.append(
-                    {
-                        "reader": f"fastload cold epoch (npy cache filling), {workers} workers, "
-                        f"batch {batch}",
-                        "samples/s (median)": statistics.median(cold),
-                        "vs ceiling": statistics.median(cold) / ceiling,
-                    }
-                )
-            readers: dict[str, Callable[[], int]] = {
-                "local .npy files, bare loop": _bare_loop(local, n)
+        for i in range(n):
+            np.save(local / f"{i:05d}.npy", _array(i))
+        ceiling = fetch_ceiling(options, manifest.urls(), repeats)
+        rows.append(
+            {
+                "reader": "raw concurrent fetch (ceiling), 64 in flight",
+                "samples/s (median)": ceiling,
             }
-            for fmt in ("npy", "pt"):
-                cache = Cache(workdir / f"warm-{fmt}", format=fmt)  # type: ignore[arg-type]
+        )
+        for workers, batch in ((0, BATCH), (0, 256), (2, BATCH)):
+            cold: list[float] = []
+            for repeat in range(repeats):
+                progress(f"cache/epochs: cold, {workers} workers, batch {batch} ({repeat + 1})")
+                cache = Cache(workdir / f"cold-{workers}-{batch}-{repeat}", format="npy")
                 dataset = RemoteDataset(
                     manifest, decode="npy", cache=cache, storage_options=options
                 )
-                _epoch(DataLoader(dataset, batch_size=BATCH))()  # fill
-                for workers in (0, 2):
-                    loader = DataLoader(
-                        dataset,
-                        batch_size=BATCH,
-                        num_workers=workers,
-                        persistent_workers=workers > 0,
-                    )
-                    _epoch(loader)()  # start the workers outside the timing
-                    readers[f"fastload warm epoch, {fmt} cache, {workers} workers"] = _epoch(loader)
-            conversion, readers["LitData warm epoch (local chunks)"] = _litdata(
-                n, workdir, progress
+                loader = DataLoader(dataset, batch_size=batch, num_workers=workers)
+                cold.append(_rate(_epoch(loader)))
+            rows.append(
+                {
+                    "reader": f"fastload cold epoch (npy cache filling), {workers} workers, "
+                    f"batch {batch}",
+                    "samples/s (median)": statistics.median(cold),
+                    "vs ceiling": statistics.median(cold) / ceiling,
+                }
             )
-            measured: dict[str, list[float]] = {name: [] for name in readers}
-            for repeat in range(repeats):  # interleaved, so noise hits every reader alike
-                for name, run in readers.items():
-                    progress(f"cache/epochs: {name} (repeat {repeat + 1}/{repeats})")
-                    measured[name].append(_rate(run))
+        readers: dict[str, Callable[[], int]] = {
+            "local .npy files, bare loop": _bare_loop(local, n)
+        }
+        for fmt in ("npy", "pt"):
+            cache = Cache(workdir / f"warm-{fmt}", format=fmt)  # type: ignore[arg-type]
+            dataset = RemoteDataset(manifest, decode="npy", cache=cache, storage_options=options)
+            _epoch(DataLoader(dataset, batch_size=BATCH))()  # fill
+            for workers in (0, 2):
+                loader = DataLoader(
+                    dataset,
+                    batch_size=BATCH,
+                    num_workers=workers,
+                    persistent_workers=workers > 0,
+                )
+                _epoch(loader)()  # start the workers outside the timing
+                readers[f"fastload warm epoch, {fmt} cache, {workers} workers"] = _epoch(loader)
+        conversion, readers["LitData warm epoch (local chunks)"] = _litdata(n, workdir, progress)
+        measured: dict[str, list[float]] = {name: [] for name in readers}
+        for repeat in range(repeats):  # interleaved, so noise hits every reader alike
+            for name, run in readers.items():
+                progress(f"cache/epochs: {name} (repeat {repeat + 1}/{repeats})")
+                measured[name].append(_rate(run))
     bare = statistics.median(measured["local .npy files, bare loop"])
     lit = statistics.median(measured["LitData warm epoch (local chunks)"])
     for name, rates in measured.items():
@@ -242,25 +249,18 @@ def _scale(x: np.ndarray) -> np.ndarray:
 def warm_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """``warm_cache`` (what ``fastload warm-cache`` runs) against the raw fetch ceiling."""
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
-        server.create_bucket(BUCKET)
-        filesystem("s3://x", server.storage_options()).pipe(
-            {f"{BUCKET}/warm/{i:05d}.npy": _npy(_array(i)) for i in range(n)}
-        )
-        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
-            options = server.storage_options(proxy.endpoint)
-            manifest = Manifest.build(f"s3://{BUCKET}/warm", storage_options=options)
-            urls = manifest.urls()
-            ceiling: list[float] = []
-            fill: list[float] = []
-            for repeat in range(repeats):  # interleaved
-                progress(f"cache/warm: repeat {repeat + 1}/{repeats}")
-                ceiling.append(_rate(lambda: len(Fetcher(options).fetch(urls))))
-                cache = Cache(Path(tmp) / f"c{repeat}", format="npy")
-                dataset = RemoteDataset(
-                    manifest, decode="npy", transform=_scale, cache=cache, storage_options=options
-                )
-                fill.append(_rate(partial(_warm_all, dataset, n)))
+    with remote_arrays("warm", n) as (workdir, options, manifest):
+        urls = manifest.urls()
+        ceiling: list[float] = []
+        fill: list[float] = []
+        for repeat in range(repeats):  # interleaved
+            progress(f"cache/warm: repeat {repeat + 1}/{repeats}")
+            ceiling.append(_rate(lambda: len(Fetcher(options).fetch(urls))))
+            cache = Cache(workdir / f"c{repeat}", format="npy")
+            dataset = RemoteDataset(
+                manifest, decode="npy", transform=_scale, cache=cache, storage_options=options
+            )
+            fill.append(_rate(partial(_warm_all, dataset, n)))
     top = statistics.median(ceiling)
     rows.append(
         {"reader": "raw concurrent fetch (ceiling), 64 in flight", "samples/s (median)": top}

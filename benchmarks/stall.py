@@ -13,19 +13,15 @@ Medians over ``repeats``; cold runs use a fresh cache each time.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 import fastload
-from benchmarks.cache import BATCH, BUCKET, LATENCY, _array, _npy, _rate
-from fastload import Cache, DeviceLoader, FetchConfig, Fetcher, Manifest, RemoteDataset
-from fastload.stores import filesystem
-from fastload.testing import FaultProxy, Faults, SeaweedS3Server
+from benchmarks.cache import BATCH, fetch_ceiling, remote_arrays
+from fastload import Cache, DeviceLoader, RemoteDataset
 
 STEP = 0.020
 
@@ -50,54 +46,40 @@ def _row(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def stall_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
-        workdir = Path(tmp)
-        server.create_bucket(BUCKET)
-        filesystem("s3://x", server.storage_options()).pipe(
-            {f"{BUCKET}/stall/{i:05d}.npy": _npy(_array(i)) for i in range(n)}
-        )
-        with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
-            options = server.storage_options(proxy.endpoint)
-            manifest = Manifest.build(f"s3://{BUCKET}/stall", storage_options=options)
+    with remote_arrays("stall", n) as (workdir, options, manifest):
 
-            def dataset(cache: Cache | None) -> RemoteDataset:
-                return RemoteDataset(manifest, decode="npy", cache=cache, storage_options=options)
+        def dataset(cache: Cache | None) -> RemoteDataset:
+            return RemoteDataset(manifest, decode="npy", cache=cache, storage_options=options)
 
-            plain, cold, warm = [], [], []
-            for repeat in range(repeats):
-                progress(f"stall: plain, cold and warm loops ({repeat + 1}/{repeats})")
-                plain.append(_loop(DataLoader(dataset(None), batch_size=BATCH), STEP))
-                loader = fastload.DataLoader(
-                    dataset(Cache(workdir / f"c{repeat}", format="npy")), batch_size=BATCH
-                )
-                cold.append(_loop(loader, STEP))
-                warm.append(_loop(loader, STEP))
-            rows.append(_row("torch DataLoader + RemoteDataset, no cache", plain))
-            rows.append(_row("fastload.DataLoader defaults, cold cache", cold))
-            rows.append(_row("fastload.DataLoader defaults, warm cache", warm))
-            urls = manifest.urls()
-            ceiling = statistics.median(
-                _rate(lambda: len(Fetcher(options, FetchConfig(concurrency=64)).fetch(urls)))
-                for _ in range(repeats)
+        plain, cold, warm = [], [], []
+        for repeat in range(repeats):
+            progress(f"stall: plain, cold and warm loops ({repeat + 1}/{repeats})")
+            plain.append(_loop(DataLoader(dataset(None), batch_size=BATCH), STEP))
+            loader = fastload.DataLoader(
+                dataset(Cache(workdir / f"c{repeat}", format="npy")), batch_size=BATCH
             )
-            rows.append({"loop": "raw concurrent fetch (ceiling), no step", "samples/s": ceiling})
-            for lookahead in (4, 0):
-                rates = []
-                for repeat in range(repeats):
-                    progress(f"stall: cold loader alone, lookahead {lookahead} ({repeat + 1})")
-                    cache = Cache(workdir / f"l{lookahead}-{repeat}", format="npy")
-                    loader = fastload.DataLoader(
-                        dataset(cache), batch_size=BATCH, lookahead=lookahead
-                    )
-                    rates.append(_loop(loader, 0.0)["samples_per_s"])
-                rate = statistics.median(rates)
-                rows.append(
-                    {
-                        "loop": f"fastload.DataLoader cold, no step, lookahead {lookahead}",
-                        "samples/s": rate,
-                        "vs ceiling": rate / ceiling,
-                    }
-                )
+            cold.append(_loop(loader, STEP))
+            warm.append(_loop(loader, STEP))
+        rows.append(_row("torch DataLoader + RemoteDataset, no cache", plain))
+        rows.append(_row("fastload.DataLoader defaults, cold cache", cold))
+        rows.append(_row("fastload.DataLoader defaults, warm cache", warm))
+        ceiling = fetch_ceiling(options, manifest.urls(), repeats)
+        rows.append({"loop": "raw concurrent fetch (ceiling), no step", "samples/s": ceiling})
+        for lookahead in (4, 0):
+            rates = []
+            for repeat in range(repeats):
+                progress(f"stall: cold loader alone, lookahead {lookahead} ({repeat + 1})")
+                cache = Cache(workdir / f"l{lookahead}-{repeat}", format="npy")
+                loader = fastload.DataLoader(dataset(cache), batch_size=BATCH, lookahead=lookahead)
+                rates.append(_loop(loader, 0.0)["samples_per_s"])
+            rate = statistics.median(rates)
+            rows.append(
+                {
+                    "loop": f"fastload.DataLoader cold, no step, lookahead {lookahead}",
+                    "samples/s": rate,
+                    "vs ceiling": rate / ceiling,
+                }
+            )
     return rows
 
 

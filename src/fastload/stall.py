@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import Any, TypeVar
 
 import numpy as np
@@ -230,7 +231,7 @@ def diagnose(
         return result
     step_s = _time_step(step, batch, steps)
     meter = Meter()
-    for item in _take(meter.timed(source), steps + 1):
+    for item in islice(meter.timed(source), steps + 1):
         step(item)
         _synchronize()
     together = stall_report(meter.stats, counters() if counters else None)
@@ -273,15 +274,10 @@ def _endless(loader: Iterable[Any]) -> Iterator[Any]:
             raise ConfigError(f"diagnose: {loader!r} yielded no batches")
 
 
-def _take(batches: Iterator[T], count: int) -> Iterator[T]:
-    for _ in range(count):
-        yield next(batches)
-
-
 def _time_loader(source: Iterator[Any], steps: int) -> tuple[float, int, Any]:
     samples, batch = 0, None
     started = time.perf_counter()
-    for batch in _take(source, steps):
+    for batch in islice(source, steps):
         samples += batch_size_of(batch)
     return time.perf_counter() - started, samples, batch
 

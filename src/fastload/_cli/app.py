@@ -172,16 +172,15 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     as_json: AsJson = False,
 ) -> None:
     """Fetch, decode, transform and cache every object of SOURCE (resumable; Ctrl-C is safe)."""
-    if format not in FORMATS:
-        raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {format!r}")
     # everything that can be wrong with the arguments fails here, before any request
+    cache_format = _as_format(format)
     parse_url(source)
     options = parse_options(storage_option)
     part = parse_shard(shard)
     decode_fn = _decoder(decode)
     transform_fn = load_object(transform, "transform") if transform else None
     budget = None if max_bytes is None else parse_size(max_bytes)
-    cache = Cache(cache_dir, format=_as_format(format), max_bytes=budget)
+    cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
     listing = (
         Manifest.load(manifest, url=source)
         if manifest
@@ -216,7 +215,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
 
 
 def _as_format(name: str) -> CacheFormat:
-    return name  # type: ignore[return-value]  # checked against FORMATS by the caller
+    if name not in FORMATS:
+        raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {name!r}")
+    return name  # type: ignore[return-value]  # one of FORMATS
 
 
 def _print_warm(result: dict[str, Any]) -> None:
@@ -461,14 +462,13 @@ def _diagnose(  # noqa: PLR0917
     step: Callable[[Any], object] | None,
     options: dict[str, Any],
 ) -> dict[str, Any]:
-    if format not in FORMATS:
-        raise ConfigError(f"--format must be one of {sorted(FORMATS)}, got {format!r}")
+    cache_format = _as_format(format)
     parse_url(source)
     dataset = RemoteDataset(
         source,
         decode=decode,
         transform=load_object(transform, "transform") if transform else None,
-        cache=Cache(cache_dir, format=_as_format(format)) if cache_dir else None,
+        cache=Cache(cache_dir, format=cache_format) if cache_dir else None,
         storage_options=options,
     )
     loader = fastload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
