@@ -29,6 +29,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt require
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) torch
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -e ".[dev]"
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/bench.txt
+	$(PY) $(PIP) --no-deps -c $(CONSTRAINTS) mosaicml-streaming
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/docs.txt
 	@touch $@
 

@@ -16,14 +16,16 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, plots, sampler, stall, stores
+from benchmarks import cache, peers, plots, sampler, stall, stores, volumes
 
 SCENARIOS = {
     "sampler": sampler.run,
     "fetch": stores.run_fetch,
     "manifest": stores.run_manifest,
+    "peers": peers.run_peers,
+    "volumes": volumes.run_volumes,
     "epochs": cache.run_epochs,
-    "volumes": cache.run_volumes,
+    "crops": cache.run_crops,
     "warm": cache.run_warm,
     "stall": stall.run_stall,
 }

@@ -1,16 +1,16 @@
-"""Epochs through the cache, and large volumes: fastload vs LitData vs local files, in one run.
+"""Epochs through fastload's cache against local files, and crops of a cached volume.
 
 Epochs: N x 150 KB float32 arrays (.npy objects) on a loopback SeaweedFS behind the proxy adding
 20 ms per request; torch DataLoader, batch 32.
 - cold: fastload's first epoch (fetch + decode + cache write) at batch 32 and 256 in the main
   process and with 2 workers (their start-up included), against the raw concurrent-fetch
   ceiling measured just before it (fastload.fetch, 64 in flight, the same objects);
-- warm: later epochs served from the cache (formats npy and pt); against LitData's warm epoch
-  (``optimize`` into local chunks, then ``StreamingDataset``: its conversion time is reported)
-  and against a bare loop reading the same arrays from local .npy files (np.load, stack by 32).
+- warm: later epochs served from the cache (formats npy and pt), against a bare loop reading
+  the same arrays from local .npy files (np.load, stack by 32). The peer loaders are in
+  ``benchmarks.peers``.
 Each reader runs ``repeats`` times, interleaved; the table gives medians.
 
-Volumes: one 64x384x384 float32 volume (36 MB) in a zarr cache: a full warm read against
+Crops: one 64x384x384 float32 volume (36 MB) in a zarr cache: a full warm read against
 np.load of the same array, and a random 16x128x128 crop against the full read.
 """
 
@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import litdata
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -42,11 +41,11 @@ LATENCY = 0.020
 BATCH = 32
 
 
-def _array(i: int) -> np.ndarray:
+def sample_array(i: int) -> np.ndarray:
     return np.random.default_rng(i).random(SHAPE, dtype=np.float32)
 
 
-def _npy(array: np.ndarray) -> bytes:
+def npy_bytes(array: np.ndarray) -> bytes:
     out = io.BytesIO()
     np.save(out, array)
     return out.getvalue()
@@ -59,7 +58,7 @@ def remote_arrays(prefix: str, n: int) -> Iterator[tuple[Path, dict[str, Any], M
     with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
         server.create_bucket(BUCKET)
         filesystem("s3://x", server.storage_options()).pipe(
-            {f"{BUCKET}/{prefix}/{i:05d}.npy": _npy(_array(i)) for i in range(n)}
+            {f"{BUCKET}/{prefix}/{i:05d}.npy": npy_bytes(sample_array(i)) for i in range(n)}
         )
         with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
             options = server.storage_options(proxy.endpoint)
@@ -98,29 +97,13 @@ def _bare_loop(folder: Path, n: int) -> Callable[[], int]:
     return run
 
 
-def _litdata(
-    n: int, workdir: Path, progress: Callable[[str], None]
-) -> tuple[float, Callable[[], int]]:
-    """LitData: convert to its chunks (timed), then a warm StreamingDataset epoch."""
-    out = workdir / "litdata"
-    started = time.perf_counter()
-    litdata.optimize(
-        fn=_array, inputs=list(range(n)), output_dir=str(out), chunk_bytes="64MB", num_workers=1
-    )
-    conversion = time.perf_counter() - started
-    progress(f"cache/epochs: LitData conversion {conversion:.1f} s")
-    dataset = litdata.StreamingDataset(str(out))
-    loader = litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=0)
-    return conversion, lambda: sum(len(batch) for batch in loader)
-
-
 def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with remote_arrays("epochs", n) as (workdir, options, manifest):
         local = workdir / "local"
         local.mkdir()
         for i in range(n):
-            np.save(local / f"{i:05d}.npy", _array(i))
+            np.save(local / f"{i:05d}.npy", sample_array(i))
         ceiling = fetch_ceiling(options, manifest.urls(), repeats)
         rows.append(
             {
@@ -162,21 +145,15 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
                 )
                 _epoch(loader)()  # start the workers outside the timing
                 readers[f"fastload warm epoch, {fmt} cache, {workers} workers"] = _epoch(loader)
-        conversion, readers["LitData warm epoch (local chunks)"] = _litdata(n, workdir, progress)
         measured: dict[str, list[float]] = {name: [] for name in readers}
         for repeat in range(repeats):  # interleaved, so noise hits every reader alike
             for name, run in readers.items():
                 progress(f"cache/epochs: {name} (repeat {repeat + 1}/{repeats})")
                 measured[name].append(_rate(run))
     bare = statistics.median(measured["local .npy files, bare loop"])
-    lit = statistics.median(measured["LitData warm epoch (local chunks)"])
     for name, rates in measured.items():
         rate = statistics.median(rates)
-        row: dict[str, Any] = {"reader": name, "samples/s (median)": rate, "vs LitData": rate / lit}
-        row["vs bare loop"] = rate / bare
-        if name.startswith("LitData"):
-            row["note"] = f"conversion {conversion:.1f} s before the first epoch"
-        rows.append(row)
+        rows.append({"reader": name, "samples/s (median)": rate, "vs bare loop": rate / bare})
     return rows
 
 
@@ -207,7 +184,7 @@ def volume_rows(repeats: int, progress: Callable[[str], None]) -> list[dict[str,
             "zarr cache, 16x128x128 crop": [],
         }
         for repeat in range(repeats):
-            progress(f"cache/volumes: repeat {repeat + 1}/{repeats}")
+            progress(f"cache/crops: repeat {repeat + 1}/{repeats}")
             for name, run in (
                 ("np.load (36 MB .npy)", lambda: np.load(Path(tmp) / "v.npy")),
                 ("zarr cache, full read", lambda: cache.get("volume")),
@@ -236,7 +213,7 @@ def run_epochs(quick: bool, progress: Callable[[str], None] = print) -> list[dic
     return epoch_rows(200 if quick else 2000, 1 if quick else 3, progress)
 
 
-def run_volumes(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run_crops(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     return volume_rows(5 if quick else 31, progress)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +14,60 @@ import matplotlib.pyplot as plt  # (after choosing the backend)
 
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "img"
 
-# scenario -> (label column, value column, axis title)
+
+@dataclass(frozen=True)
+class Plot:
+    """A horizontal bar chart: one bar group per row, one bar per value column."""
+
+    values: tuple[str, ...]
+    title: str
+    log: bool = False
+
+
+COLD_WARM = ("cold samples/s", "warm samples/s")
 PLOTS = {
-    "epochs": ("reader", "samples/s (median)", "samples/s (higher is better)"),
-    "fetch": ("client", "GETs/s (median)", "GETs/s through +20 ms (higher is better)"),
-    "stall": ("loop", "wait share (median)", "share of the loop spent waiting (lower is better)"),
+    "peers": Plot(COLD_WARM, "samples/s, log scale (higher is better)", log=True),
+    "volumes": Plot(COLD_WARM, "volumes/s, log scale (higher is better)", log=True),
+    "epochs": Plot(("samples/s (median)",), "samples/s (higher is better)"),
+    "fetch": Plot(("GETs/s (median)",), "GETs/s through +20 ms (higher is better)"),
+    "stall": Plot(("wait share (median)",), "share of the loop spent waiting (lower is better)"),
 }
+LABELS = ("reader", "client", "loop")  # the first a row has names it
 
 
 def render(results: Path, out: Path = IMAGES) -> list[Path]:
-    """One horizontal bar chart per scenario that has results; the paths written."""
+    """One chart per scenario that has results; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for scenario, (label, value, title) in PLOTS.items():
+    for scenario, plot in PLOTS.items():
         path = results / f"{scenario}.json"
         if not path.exists():
             continue
         record = json.loads(path.read_text())
-        rows = [r for r in record["rows"] if isinstance(r.get(value), (int, float))]
+        rows = [r for r in record["rows"] if isinstance(r.get(plot.values[0]), (int, float))]
         if rows:
-            written.append(_bars(rows, label, value, title, record, out / f"{scenario}.png"))
+            written.append(_bars(rows, plot, record, out / f"{scenario}.png"))
     return written
 
 
-def _bars(
-    rows: list[dict[str, Any]],
-    label: str,
-    value: str,
-    title: str,
-    record: dict[str, Any],
-    path: Path,
-) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
-    names = [str(r[label]) for r in rows][::-1]
-    values = [float(r[value]) for r in rows][::-1]
-    ax.barh(names, values, color="#3b6ea5")
-    ax.set_xlabel(title)
+def _label(row: dict[str, Any]) -> str:
+    name = next(str(row[key]) for key in LABELS if key in row)
+    return f"{row['store']}: {name}" if "store" in row else name
+
+
+def _bars(rows: list[dict[str, Any]], plot: Plot, record: dict[str, Any], path: Path) -> Path:
+    rows = rows[::-1]  # the first row on top
+    height = 0.8 / len(plot.values)
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) * len(plot.values) + 1.6))
+    for k, column in enumerate(plot.values):
+        positions = [i + (k - (len(plot.values) - 1) / 2) * height for i in range(len(rows))]
+        ax.barh(positions, [float(r[column]) for r in rows], height=height, label=column)
+    ax.set_yticks(range(len(rows)), [_label(r) for r in rows])
+    if plot.log:
+        ax.set_xscale("log")
+    if len(plot.values) > 1:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel(plot.title)
     ax.set_title(f"{record['scenario']} ({record['date'][:10]}, {record['machine']['cpus']} CPUs)")
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()

@@ -181,5 +181,5 @@ def test_lookahead_fetches_ahead_of_the_workers(
     ahead = dataset.stage_counters().fetch.objects  # fetched by the main process's lookahead
     total = loader.stage_counters()
     assert total is not None
-    assert 0 < ahead < 48
+    assert 0 < ahead <= 48  # the lookahead may win every race: the workers then only hit
     assert total.fetch.objects == 48  # each object fetched once: by the lookahead or a worker

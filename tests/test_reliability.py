@@ -31,7 +31,7 @@ import pytest
 import fastload
 from fastload import Cache, FetchConfig, Manifest, RemoteDataset
 from fastload.stores import filesystem
-from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
+from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server, tree_pss_kib
 from tests.conftest import BUCKET
 from tests.test_cli import SCRIPT, options_args
 from tests.test_dataset import npy
@@ -321,21 +321,6 @@ def test_r6_secrets_never_appear_in_logs_errors_reprs_manifests_or_cli_output(
 # --- soak ---------------------------------------------------------------------------------------
 
 
-def pss_kib(pid: int) -> int:
-    """Proportional set size of ``pid`` and all its descendants, in KiB."""
-    total = 0
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                total += int(line.split()[1])
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                total += pss_kib(int(child))
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return total
-
-
 @pytest.mark.slow
 def test_soak_memory_stays_flat_over_many_epochs_with_faults(
     seaweed: S3Server, tmp_path: Path
@@ -354,7 +339,7 @@ def test_soak_memory_stays_flat_over_many_epochs_with_faults(
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             assert Counter(digest(b) for batch in loader for b in batch) == expected
-            pss.append(pss_kib(os.getpid()) // 1024)
+            pss.append(tree_pss_kib(os.getpid()) // 1024)
     growth = pss[-1] - pss[1]
     print(f"\nsoak: {epochs} epochs x 1000 objects with faults; PSS MiB per epoch {pss}")
     assert growth <= max(32, pss[1] // 20), pss  # flat after the first epoch: < 5% or 32 MiB

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
 _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
+PREFETCH_BATCHES = 4
+"""Batches :meth:`RemoteDataset.prefetch` works on at once (per process)."""
 _prefetchers: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
 
 
@@ -213,7 +215,9 @@ class RemoteDataset(Dataset[Any]):
         if self.cache is None:
             raise ConfigError("RemoteDataset.prefetch needs a cache to keep what it fetches")
         cache = self.cache
-        executor = _prefetchers.get("prefetch", lambda: ThreadPoolExecutor(2, "fastload-prefetch"))
+        executor = _prefetchers.get(
+            "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
+        )
         entries = [self._entry(i) for i in indices]
 
         def run() -> None:

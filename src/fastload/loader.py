@@ -382,11 +382,11 @@ class _Lookahead:
         try:
             for batch in source:
                 ahead.append(batch)
+                started.append(self.prefetch(batch))  # as it enters the window
+                if len(started) > self.depth + 1:
+                    started.popleft()
                 if len(ahead) > self.depth:
                     yield ahead.popleft()
-                    started.append(self.prefetch(batch))
-                    if len(started) > self.depth:
-                        started.popleft()
             while ahead:
                 yield ahead.popleft()
         finally:

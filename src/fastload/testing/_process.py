@@ -47,6 +47,21 @@ def http_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def tree_pss_kib(pid: int) -> int:
+    """Proportional set size of process ``pid`` and all its descendants, in KiB (Linux)."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += tree_pss_kib(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # the process (or a child) ended while being read
+    return total
+
+
 def python_module_command(module: str, *args: str) -> list[str]:
     """Run ``module`` with this interpreter (servers written in Python)."""
     return [sys.executable, "-m", module, *args]

@@ -1,0 +1,419 @@
+"""Remote small objects: fastload against the peer loaders, one reader per fresh process.
+
+N x 150 KB float32 arrays (.npy objects) on a loopback object store (SeaweedFS for S3,
+fake-gcs-server for GCS, our B2 server) behind the proxy adding 20 ms per request. Each reader
+runs in its own process (``python -m benchmarks.peers '<spec>'``), so no reader inherits another's
+imports, clients or caches: it builds its dataset, reads a cold epoch (timing the first batch
+from construction) and a warm epoch, and prints its rates. The parent samples the PSS of that
+process tree every 50 ms for the peak. Readers run interleaved, ``repeats`` times; medians.
+
+Readers (batch 32, shuffled; the peers with 2 DataLoader workers, what a user sets on 2 cores):
+- torch DataLoader + RandomSampler over the store's fsspec filesystem (s3fs, gcsfs, b2);
+- the same over fsspec's whole-file cache (``filecache``): warm epochs read local copies;
+- AWS s3torchconnector ``S3MapDataset`` (S3 only);
+- LitData ``StreamingDataset`` over chunks on the store (S3 only), conversion timed;
+- Mosaic streaming ``StreamingDataset`` over MDS shards on the store (S3 only), conversion timed;
+- fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import numpy as np
+import torch
+from fsspec.implementations.cached import WholeFileCacheFileSystem
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+import fastload
+from benchmarks.cache import BATCH, BUCKET, LATENCY, SHAPE, npy_bytes, sample_array
+from fastload import Cache, Manifest, RemoteDataset
+from fastload.stores import filesystem
+from fastload.testing import (
+    B2Server,
+    FakeGcsServer,
+    FaultProxy,
+    Faults,
+    SeaweedS3Server,
+    ServerProcess,
+    tree_pss_kib,
+)
+from fastload.transforms import QuantileNormalize, Resize, compose
+
+WORKERS = 2
+REPO = Path(__file__).resolve().parents[1]
+SCHEMES = {"s3": "s3", "gcs": "gs", "b2": "b2"}
+S3_ONLY = ("s3torchconnector", "litdata", "mosaic")
+# The volumes scenario's preprocessing: robust intensity normalisation, then a resize.
+PREPROCESS = compose(QuantileNormalize(), Resize((48, 256, 256)))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one reader process needs: where the objects are and where it may write."""
+
+    reader: str
+    store: str
+    root: str  # e.g. s3://bench/peers
+    options: dict[str, Any]  # storage options through the proxy
+    manifest: str  # a saved fastload Manifest of root
+    workdir: str  # this run's scratch directory (caches)
+    n: int
+    credentials: dict[str, str]  # env for the SDK-based peers (S3)
+    batch: int = BATCH
+    epochs: int = 2  # the first is cold
+    preprocess: bool = False  # apply PREPROCESS (the volumes scenario)
+    cache_format: str = "npy"  # fastload's
+
+
+def _load(body: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.load(io.BytesIO(body)))
+
+
+# --- the readers (run in the child process) -----------------------------------------------------
+
+
+class FsspecArrays(Dataset[torch.Tensor]):
+    """The plain-PyTorch way: one ``cat_file`` per sample from an fsspec filesystem, opened
+    lazily in each worker (fsspec's async filesystems are not fork-safe)."""
+
+    def __init__(self, spec: Spec, *, cached: bool) -> None:
+        self.spec, self.cached = spec, cached
+        self.paths = [url.split("://", 1)[1] for url in Manifest.load(spec.manifest).urls()]
+        self._fs: Any = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self._fs is None:
+            self._fs = filesystem(self.spec.root, self.spec.options)
+            if self.cached:
+                self._fs = WholeFileCacheFileSystem(
+                    fs=self._fs, cache_storage=f"{self.spec.workdir}/fsspec"
+                )
+        array = np.load(io.BytesIO(self._fs.cat_file(self.paths[index])))
+        return torch.from_numpy(PREPROCESS(array) if self.spec.preprocess else array)
+
+
+def _torch_fsspec(spec: Spec, *, cached: bool) -> Iterable[Any]:
+    dataset = FsspecArrays(spec, cached=cached)
+    return DataLoader(
+        dataset, batch_size=spec.batch, sampler=RandomSampler(dataset), num_workers=WORKERS
+    )
+
+
+def _s3torchconnector(spec: Spec) -> Iterable[Any]:
+    from s3torchconnector import S3ClientConfig, S3MapDataset  # noqa: PLC0415 (only in its own reader process)
+
+    dataset = S3MapDataset.from_prefix(
+        spec.root + "/",
+        region="us-east-1",
+        endpoint=spec.options["endpoint_url"],
+        s3client_config=S3ClientConfig(force_path_style=True),
+        transform=lambda obj: _load(obj.read()),
+    )
+    return DataLoader(
+        dataset, batch_size=BATCH, sampler=RandomSampler(dataset), num_workers=WORKERS
+    )
+
+
+def _litdata(spec: Spec) -> Iterable[Any]:
+    import litdata  # noqa: PLC0415 (only in its own reader process)
+    from litdata.streaming import downloader  # noqa: PLC0415
+
+    # LitData GETs chunks with obstore, whose client refuses plain http unless told; LitData has
+    # no option for it, so the benchmark adds allow_http to the client options it passes.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[typeddict-unknown-key]
+    dataset = litdata.StreamingDataset(
+        f"{spec.root}-litdata",
+        cache_dir=f"{spec.workdir}/litdata",
+        shuffle=True,
+        storage_options={"endpoint_url": spec.options["endpoint_url"]},
+    )
+    return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)
+
+
+def _mosaic_modules() -> Any:
+    """Import Mosaic streaming without its torchvision-based ``streaming.vision`` helpers.
+
+    ``streaming/__init__`` imports its image datasets, which import torchvision; the torchvision
+    wheel the registry serves for torch 2.13 is a CUDA build that cannot load beside the CPU torch
+    here. ``StreamingDataset`` and ``MDSWriter`` do not use those helpers.
+    """
+    for name in ("streaming.vision", "streaming.multimodal"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    import streaming  # noqa: PLC0415 (only in its own reader process)
+
+    return streaming
+
+
+def _mosaic(spec: Spec) -> Iterable[Any]:
+    streaming = _mosaic_modules()
+    streaming.base.util.clean_stale_shared_memory()
+    dataset = streaming.StreamingDataset(
+        remote=f"{spec.root}-mds",
+        local=f"{spec.workdir}/mosaic",
+        shuffle=True,
+        batch_size=BATCH,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        collate_fn=lambda rows: torch.from_numpy(np.stack([r["x"] for r in rows])),
+    )
+
+
+def _fastload(spec: Spec) -> Iterable[Any]:
+    dataset = RemoteDataset(
+        Manifest.load(spec.manifest),
+        decode="npy",
+        transform=PREPROCESS if spec.preprocess else None,
+        cache=Cache(f"{spec.workdir}/fastload", format=spec.cache_format),  # type: ignore[arg-type]
+        storage_options=spec.options,
+    )
+    return fastload.DataLoader(dataset, batch_size=spec.batch, shuffle=True)
+
+
+READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
+    "torch": (
+        "torch DataLoader + RandomSampler + fsspec, 2 workers",
+        partial(_torch_fsspec, cached=False),
+    ),
+    "filecache": ("the same over fsspec filecache, 2 workers", partial(_torch_fsspec, cached=True)),
+    "s3torchconnector": ("s3torchconnector S3MapDataset, 2 workers", _s3torchconnector),
+    "litdata": ("LitData StreamingDataset (chunks on the store), 2 workers", _litdata),
+    "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store), 2 workers", _mosaic),
+    "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
+}
+
+
+def _epochs(spec: Spec) -> dict[str, Any]:
+    """In the child: construct, then read ``spec.epochs`` epochs (the first batch of the first,
+    cold, one timed from construction); samples/s per epoch."""
+    started = time.perf_counter()
+    loader = READERS[spec.reader][1](spec)
+    first = 0.0
+    rates = []
+    for epoch in range(spec.epochs):
+        count = 0
+        for batch in loader:
+            if not first:
+                first = time.perf_counter() - started
+            count += len(batch)
+        assert count == spec.n, f"{spec.reader}: epoch {epoch} gave {count} of {spec.n} samples"
+        rates.append(spec.n / (time.perf_counter() - started))
+        started = time.perf_counter()
+    return {"epochs": rates, "first": first}
+
+
+# --- the parent ---------------------------------------------------------------------------------
+
+
+def run_reader(spec: Spec) -> dict[str, Any]:
+    """One reader in a fresh process; its rates and the peak PSS of its process tree."""
+    env = {**os.environ, **spec.credentials, "PYTHONPATH": str(REPO)}
+    log = Path(spec.workdir) / "reader.out"
+    with log.open("w") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peers", json.dumps(asdict(spec))],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+        )
+        peak = 0
+        while child.poll() is None:
+            peak = max(peak, tree_pss_kib(child.pid))
+            time.sleep(0.05)
+    text = log.read_text()
+    if child.returncode:
+        raise RuntimeError(f"benchmark reader {spec.reader} on {spec.store} failed: {text[-2000:]}")
+    return {**json.loads(text.strip().splitlines()[-1]), "pss": peak / 1024}
+
+
+def _server(store: str) -> ServerProcess:
+    return {"s3": SeaweedS3Server, "gcs": FakeGcsServer, "b2": B2Server}[store]()
+
+
+@contextlib.contextmanager
+def objects_on(
+    store: str, n: int, make: Callable[[int], np.ndarray], faults: Faults
+) -> Iterator[tuple[Any, FaultProxy, str]]:
+    """``n`` arrays ``make(i)`` as .npy objects on a fresh ``store`` server, behind a proxy
+    injecting ``faults``: the server, the proxy and the objects' root URL."""
+    server = _server(store)
+    with server:
+        server.create_bucket(BUCKET)  # type: ignore[attr-defined]
+        root = f"{SCHEMES[store]}://{BUCKET}/peers"
+        fs = filesystem(root, server.storage_options())  # type: ignore[attr-defined]
+        for i in range(n):  # one at a time: volumes are large
+            fs.pipe_file(f"{BUCKET}/peers/{i:05d}.npy", npy_bytes(make(i)))
+        with FaultProxy(
+            server.endpoint,  # type: ignore[attr-defined]
+            flavor=store,  # type: ignore[arg-type]
+            faults=faults,
+        ) as proxy:
+            yield server, proxy, root
+
+
+def _convert_litdata(root: str, options: dict[str, Any], n: int, work: Path) -> float:
+    """LitData's conversion: read every object through the proxy, ``optimize`` into 64 MB
+    chunks, upload the chunks beside the objects. Seconds."""
+    import litdata  # noqa: PLC0415 (only in its own reader process)
+
+    started = time.perf_counter()
+    litdata.optimize(
+        fn=partial(_fetch_array, root, json.dumps(options)),
+        inputs=list(range(n)),
+        output_dir=str(work / "litdata-out"),
+        chunk_bytes="64MB",
+        num_workers=1,
+    )
+    filesystem(root, options).put(str(work / "litdata-out"), f"{root}-litdata", recursive=True)
+    return time.perf_counter() - started
+
+
+def _convert_mosaic(root: str, options: dict[str, Any], n: int, work: Path) -> float:
+    """Mosaic's conversion: read every object through the proxy, write MDS shards with
+    ``MDSWriter``, upload them beside the objects. Seconds."""
+    streaming = _mosaic_modules()
+    started = time.perf_counter()
+    out = work / "mds-out"
+    columns = {"x": f"ndarray:float32:{SHAPE[0]},{SHAPE[1]}"}
+    with streaming.MDSWriter(out=str(out), columns=columns, size_limit="64mb") as writer:
+        for i in range(n):
+            writer.write({"x": _fetch_array(root, json.dumps(options), i)})
+    filesystem(root, options).put(str(out), f"{root}-mds", recursive=True)
+    return time.perf_counter() - started
+
+
+@functools.cache
+def _source(root: str, options: str) -> Any:
+    return filesystem(root, json.loads(options))
+
+
+def _fetch_array(root: str, options: str, i: int) -> np.ndarray:
+    fs = _source(root, options)
+    return np.load(io.BytesIO(fs.cat_file(f"{fs._strip_protocol(root)}/{i:05d}.npy")))
+
+
+def _credentials(server: Any, endpoint: str) -> dict[str, str]:
+    if not isinstance(server, SeaweedS3Server):
+        return {}
+    return {
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+        "AWS_REGION": "us-east-1",
+        "S3_ENDPOINT_URL": endpoint,  # Mosaic streaming
+    }
+
+
+def store_rows(
+    store: str, n: int, repeats: int, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    readers = [r for r in READERS if store == "s3" or r not in S3_ONLY]
+    results: dict[str, list[dict[str, Any]]] = {r: [] for r in readers}
+    setup: dict[str, float] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        objects_on(store, n, sample_array, Faults(latency=LATENCY)) as (
+            server,
+            proxy,
+            root,
+        ),
+    ):
+        work = Path(tmp)
+        options = server.storage_options(proxy.endpoint)
+        started = time.perf_counter()
+        manifest = Manifest.build(root, storage_options=options)
+        manifest.save(work / "manifest.npz")
+        setup["fastload"] = time.perf_counter() - started
+        if store == "s3":
+            setup["litdata"] = _convert_litdata(root, options, n, work)
+            setup["mosaic"] = _convert_mosaic(root, options, n, work)
+        for repeat in range(repeats):  # interleaved, so noise hits every reader alike
+            for reader in readers:
+                progress(f"peers/{store}: {reader} (repeat {repeat + 1}/{repeats})")
+                run = work / f"{reader}-{repeat}"
+                run.mkdir()
+                spec = Spec(
+                    reader,
+                    store,
+                    root,
+                    options,
+                    str(work / "manifest.npz"),
+                    str(run),
+                    n,
+                    _credentials(server, proxy.endpoint),
+                )
+                results[reader].append(run_reader(spec))
+                shutil.rmtree(run)
+    return [_row(store, reader, runs, setup.get(reader)) for reader, runs in results.items()]
+
+
+def _row(
+    store: str, reader: str, runs: list[dict[str, Any]], setup: float | None
+) -> dict[str, Any]:
+    return {
+        "store": store,
+        "reader": READERS[reader][0],
+        **summary(runs),
+        "setup s": "" if setup is None else round(setup, 1),
+    }
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over repeats: cold (first epoch) and warm (later epochs) rates, first batch, PSS."""
+    return {
+        "cold samples/s": statistics.median(run["epochs"][0] for run in runs),
+        "warm samples/s": statistics.median(r for run in runs for r in run["epochs"][1:]),
+        "first batch s": statistics.median(run["first"] for run in runs),
+        "peak PSS MiB": statistics.median(run["pss"] for run in runs),
+    }
+
+
+def peer_rows(
+    n: int, repeats: int, stores: tuple[str, ...], progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    rows = []
+    for store in stores:
+        rows += with_ratios(store_rows(store, n, repeats, progress))
+    return rows
+
+
+def with_ratios(rows: list[dict[str, Any]], base: str = "torch") -> list[dict[str, Any]]:
+    """Cold and warm rates against the first row (the plain torch + fsspec reader)."""
+    for row in rows:
+        for kind in ("cold", "warm"):
+            row[f"{kind} vs {base}"] = row[f"{kind} samples/s"] / rows[0][f"{kind} samples/s"]
+    return rows
+
+
+def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    if quick:
+        return peer_rows(200, 1, ("s3", "gcs", "b2"), progress)
+    return peer_rows(2000, 3, ("s3", "gcs", "b2"), progress)
+
+
+if __name__ == "__main__":
+    fields = json.loads(sys.argv[1])
+    print(json.dumps(_epochs(Spec(**fields))))
