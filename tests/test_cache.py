@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,24 @@ values = cache.get_many(names, compute)
 assert all(np.all(v == i) for i, v in enumerate(values)), "wrong value"
 print(cache.counters.hits + cache.counters.waits)
 """
+
+
+def test_a_claim_blocked_by_a_reader_computes_and_counts_no_wait(tmp_path: Path) -> None:
+    """A shared (reader's) lock makes the claim fail, but no one computes: we wait, find the
+    entry still missing, and compute it ourselves. That is a miss, not a wait as well."""
+    cache = Cache(tmp_path / "c", format="zarr")
+    reader = cache._lock(cache._digest("k"))
+    reader.acquire(shared=True)
+    threading.Timer(0.3, reader.release).start()
+    computed: list[list[int]] = []
+
+    def compute(positions: list[int]) -> list[np.ndarray]:
+        computed.append(positions)
+        return [np.arange(3)]
+
+    (value,) = cache.get_many(["k"], compute)
+    assert computed == [[0]] and np.all(value == np.arange(3))
+    assert (cache.counters.misses, cache.counters.waits, cache.counters.hits) == (1, 0, 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

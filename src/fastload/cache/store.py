@@ -263,8 +263,8 @@ class Cache:
         if first:
             ours, theirs = self._claim(first)
             self._fill(out, names, digests, ours, compute)
-            left = self._wait_for(theirs, out, digests)  # each counted as a wait already
-            self._fill(out, names, digests, left, compute, count_waits=False)
+            left = self._wait_for(theirs, out, digests)
+            self._fill(out, names, digests, left, compute)
         for i, value in enumerate(out):
             if value is _MISSING:  # a name given twice in one call
                 out[i] = out[first[digests[i]]]
@@ -282,16 +282,17 @@ class Cache:
     def _wait_for(
         self, theirs: dict[int, FileLock], out: list[Any], digests: list[str]
     ) -> dict[int, FileLock]:
-        """Wait (in digest order: no deadlock) for entries others compute; keep failed ones."""
+        """Wait (in digest order: no deadlock) for entries others hold; keep those still missing
+        (their holder failed, or only read: a zarr reader's shared lock also blocks a claim)."""
         left: dict[int, FileLock] = {}
         try:
             for i, lock in theirs.items():
                 lock.acquire()
-                self.counters.waits += 1
                 out[i] = self._load(digests[i], held=True)
                 if out[i] is _MISSING:
-                    left[i] = lock
+                    left[i] = lock  # ours to compute: not a wait
                 else:
+                    self.counters.waits += 1
                     lock.release(remove=True)
         except BaseException:
             for lock in left.values():
@@ -306,8 +307,6 @@ class Cache:
         digests: list[str],
         locked: dict[int, FileLock],
         compute: Callable[[list[int]], Sequence[Any]],
-        *,
-        count_waits: bool = True,
     ) -> None:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
         try:
@@ -316,7 +315,7 @@ class Cache:
                 out[i] = self._load(digests[i], held=True)  # done between our read and lock?
                 if out[i] is _MISSING:
                     todo.append(i)
-                elif count_waits:
+                else:
                     self.counters.waits += 1
             if not todo:
                 return
