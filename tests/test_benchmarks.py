@@ -62,7 +62,7 @@ def test_stall_benchmark_reports_each_loop() -> None:
 
 
 def test_peer_benchmark_runs_every_reader_on_every_store() -> None:
-    rows = peers.peer_rows(32, 1, ("s3", "gcs", "b2"), progress=lambda _: None)
+    rows = peers.peer_rows(32, {"s3": 1, "gcs": 1, "b2": 1}, progress=lambda _: None)
     per_store = {store: [r for r in rows if r["store"] == store] for store in ("s3", "gcs", "b2")}
     assert [len(per_store[s]) for s in ("s3", "gcs", "b2")] == [6, 3, 3]
     for row in rows:  # each reader process read every sample in both epochs (it asserts so)
