@@ -229,25 +229,30 @@ def _epochs(spec: Spec) -> dict[str, Any]:
 # --- the parent ---------------------------------------------------------------------------------
 
 
+class ReaderFailed(RuntimeError):
+    """A reader process exited non-zero; the message ends with its last stderr line."""
+
+
 def run_reader(spec: Spec) -> dict[str, Any]:
     """One reader in a fresh process; its rates and the peak PSS of its process tree."""
     env = {**os.environ, **spec.credentials, "PYTHONPATH": str(REPO)}
-    log = Path(spec.workdir) / "reader.out"
-    with log.open("w") as out:
+    out, err = Path(spec.workdir) / "reader.out", Path(spec.workdir) / "reader.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
         child = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.peers", json.dumps(asdict(spec))],
             env=env,
             cwd=REPO,
-            stdout=out,
+            stdout=stdout,
+            stderr=stderr,
         )
         peak = 0
         while child.poll() is None:
             peak = max(peak, tree_pss_kib(child.pid))
             time.sleep(0.05)
-    text = log.read_text()
     if child.returncode:
-        raise RuntimeError(f"benchmark reader {spec.reader} on {spec.store} failed: {text[-2000:]}")
-    return {**json.loads(text.strip().splitlines()[-1]), "pss": peak / 1024}
+        lines = err.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+        raise ReaderFailed(f"benchmark reader {spec.reader} on {spec.store}: {lines[-1]}")
+    return {**json.loads(out.read_text().strip().splitlines()[-1]), "pss": peak / 1024}
 
 
 def _server(store: str) -> ServerProcess:
@@ -332,6 +337,7 @@ def store_rows(
 ) -> list[dict[str, Any]]:
     readers = [r for r in READERS if store == "s3" or r not in S3_ONLY]
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in readers}
+    failed = dict.fromkeys(readers, 0)
     setup: dict[str, float] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -365,19 +371,31 @@ def store_rows(
                     n,
                     _credentials(server, proxy.endpoint),
                 )
-                results[reader].append(run_reader(spec))
+                try:
+                    results[reader].append(run_reader(spec))
+                except ReaderFailed as exc:
+                    if reader == "fastload":
+                        raise
+                    failed[reader] += 1  # a peer's own bug: counted, the others go on
+                    progress(f"peers/{store}: {exc}")
                 shutil.rmtree(run)
-    return [_row(store, reader, runs, setup.get(reader)) for reader, runs in results.items()]
+    return [
+        _row(store, reader, runs, setup.get(reader), failed[reader])
+        for reader, runs in results.items()
+    ]
 
 
 def _row(
-    store: str, reader: str, runs: list[dict[str, Any]], setup: float | None
+    store: str, reader: str, runs: list[dict[str, Any]], setup: float | None, failed: int
 ) -> dict[str, Any]:
+    if not runs:
+        raise ReaderFailed(f"benchmark reader {reader} on {store} failed in every repeat")
     return {
         "store": store,
         "reader": READERS[reader][0],
         **summary(runs),
         "setup s": "" if setup is None else setup,
+        "failed runs": failed,
     }
 
 
