@@ -429,7 +429,7 @@ def with_ratios(rows: list[dict[str, Any]], base: str = "torch") -> list[dict[st
 
 def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     if quick:  # S3 only: every peer, in about a minute
-        return peer_rows(64, {"s3": 1}, progress)
+        return peer_rows(32, {"s3": 1}, progress)
     return peer_rows(2000, {"s3": 3, "gcs": 1, "b2": 1}, progress)
 
 

@@ -6,7 +6,7 @@ the ratio to s3fs's best concurrent rate in the same run, and CPU seconds per GE
 process (s3torchconnector's DataLoader workers are other processes: their CPU is not counted).
 
 Manifest: save/load of 1,000,000 synthetic entries; listing of a real prefix (100,000 objects,
-10,000 in --quick) through the same proxy: one ``fs.find`` vs ``Manifest.build`` in parallel.
+3,000 in --quick) through the same proxy: one ``fs.find`` vs ``Manifest.build`` in parallel.
 """
 
 from __future__ import annotations
@@ -178,10 +178,10 @@ def manifest_rows(
 
 
 def run_fetch(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return fetch_rows(500, 1, progress) if quick else fetch_rows(2000, 3, progress)
+    return fetch_rows(200, 1, progress) if quick else fetch_rows(2000, 3, progress)
 
 
 def run_manifest(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     if quick:
-        return manifest_rows(1_000_000, 10_000, 1, progress)
+        return manifest_rows(1_000_000, 3_000, 1, progress)
     return manifest_rows(1_000_000, 100_000, 3, progress)

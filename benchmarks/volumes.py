@@ -63,4 +63,4 @@ def volume_rows(n: int, epochs: int, progress: Callable[[str], None]) -> list[di
 
 
 def run_volumes(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return volume_rows(4, 2, progress) if quick else volume_rows(64, EPOCHS, progress)
+    return volume_rows(2, 2, progress) if quick else volume_rows(64, EPOCHS, progress)
