@@ -337,7 +337,6 @@ def store_rows(
 ) -> list[dict[str, Any]]:
     readers = [r for r in only if store == "s3" or r not in S3_ONLY]
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in readers}
-    failed = dict.fromkeys(readers, 0)
     setup: dict[str, float] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -377,11 +376,10 @@ def store_rows(
                 except ReaderFailed as exc:
                     if reader == "fastload":
                         raise
-                    failed[reader] += 1  # a peer's own bug: counted, the others go on
-                    progress(f"peers/{store}: {exc}")
+                    progress(f"peers/{store}: {exc}")  # a peer's own bug: the others go on
                 shutil.rmtree(run)
     return [
-        _row(store, reader, runs, setup.get(reader), failed[reader])
+        _row(store, reader, runs, setup.get(reader), repeats - len(runs))
         for reader, runs in results.items()
     ]
 
