@@ -121,6 +121,8 @@ class Fetcher:
         fs, fast = clients[where]
         if (request.start or 0) < 0 or (request.end or 0) < 0:
             fast = None  # suffix ranges need the object's size: the fsspec path knows how
+        elif not _fast.readable(parsed.key):
+            fast = None  # a key obstore would rewrite (a//b, ./x): the s3fs path reads it as is
         return _Target(fs, fs._strip_protocol(str(parsed)), request.url, fast, parsed.key)
 
     def _executor(self) -> ThreadPoolExecutor:

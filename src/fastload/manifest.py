@@ -25,7 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
-from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
+from fastload.stores import StoreURL, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
 __all__ = ["Entry", "Manifest", "ManifestChanges"]
@@ -155,10 +155,7 @@ class Manifest(Sequence[Entry]):
     ) -> Manifest:
         root = parse_url(url)
         fs = filesystem(root, storage_options)
-        lister = None
-        if parallel:
-            fast = fast_reader(root, storage_options)
-            lister = page_lister(root.scheme, fs, root.bucket, fast)
+        lister = page_lister(root.scheme, fs, root.bucket) if parallel else None
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
@@ -173,7 +170,7 @@ class Manifest(Sequence[Entry]):
             raise
         except Exception as exc:  # the client's own errors: translated at the one boundary
             raise translate(exc, str(root)) from exc
-        listed = [e for e in listed if e.key and not e.key.endswith("/")]
+        listed = [e for e in listed if not _is_marker(e)]
         if pattern is not None:
             listed = [e for e in listed if fnmatch.fnmatchcase(e.key, pattern)]
         if not listed:
@@ -416,6 +413,16 @@ def _find(fs: Any, root: StoreURL) -> list[Listed]:
         ),
         key=lambda e: e.key,
     )
+
+
+_MARKER_NAMES = (".bzEmpty",)  # what B2's web console writes to make a "folder"
+
+
+def _is_marker(entry: Listed) -> bool:
+    """A folder marker, not a sample: ``sub/`` (S3/GCS consoles) or an empty ``.bzEmpty``."""
+    if not entry.key or entry.key.endswith("/"):
+        return True
+    return entry.size == 0 and entry.key.rsplit("/", 1)[-1] in _MARKER_NAMES
 
 
 def _version(info: Mapping[str, Any]) -> str:

@@ -60,6 +60,23 @@ def payloads(n: int, seed: int, max_size: int = 200_000) -> dict[str, bytes]:
     return {f"obj/{i:04d}.bin": rng.randbytes(size) for i, size in enumerate(sizes)}
 
 
+# Cell-painting-like keys: split points land on "directory" names (P2, P2/w05) that a
+# tree-walking server (SeaweedFS) would skip whole, beside names that sort on either side of
+# a directory's own keys in byte order ("P2.txt" and "P2-b/x" sort before "P2/...").
+DIRECTORY_SHAPES = [
+    *(
+        f"P{p}/w{w:02d}/f{f}_ch{c}.tiff"
+        for p in range(1, 5)
+        for w in range(6)
+        for f in range(3)
+        for c in range(1, 3)
+    ),
+    "P2",
+    "P2.txt",
+    "P2-b/x.tiff",
+    "P3 copy/f0_ch1.tiff",
+]
+
 KEY_SHAPES = [
     *(f"img_{i:05d}.npy" for i in range(240)),
     *(f"nested/{d}/part-{i}.bin" for d in "abc" for i in range(15)),
@@ -137,6 +154,31 @@ class ManifestConformance:
         assert parallel.sizes.tolist() == [len(data[k]) for k in sorted(data)]
         assert all(entry.version for entry in parallel)
         assert parallel[0].url == case.url(parallel[0].key)
+
+    def test_listing_is_complete_when_split_points_name_directories(
+        self, case: Case, small_pages: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        data = {key: key.encode() for key in DIRECTORY_SHAPES}
+        if case.root.startswith("file://"):
+            del data["P2"]  # a local folder cannot also be a file
+        case.write(data)
+        points: list[str] = []
+        split_points = _listing._split_points
+
+        def recorded(*args: Any) -> list[str]:
+            found = split_points(*args)
+            points.extend(found)
+            return found
+
+        monkeypatch.setattr(_listing, "_split_points", recorded)
+        parallel = Manifest.build(case.root, storage_options=case.read_options)
+        assert parallel.keys() == sorted(data)
+        assert [entry.size for entry in parallel] == [len(data[k]) for k in sorted(data)]
+        if _listing.page_lister(case.root.split("://")[0], None, "") is not None:  # type: ignore[arg-type]
+            # the listing really split at directory names (the case that lost keys)
+            base = case.root.split("/", 3)[3] + "/"
+            dirs = {base + k.rsplit("/", i)[0] for k in data for i in (1, 2) if k.count("/") >= i}
+            assert dirs & set(points), sorted(points)[:20]
 
     def test_refresh_counts_changes(self, case: Case) -> None:
         case.write({"a": b"1", "b": b"22", "c": b"333"})

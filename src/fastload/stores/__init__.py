@@ -94,7 +94,7 @@ def parse_url(url: str | os.PathLike[str]) -> StoreURL:
         return StoreURL("file", os.path.abspath(path or "/"))
     if scheme == "memory":
         return StoreURL("memory", "/" + path.lstrip("/"))
-    if not path or path.startswith("/") or "//" in path.rstrip("/"):
+    if not path or path.startswith("/"):  # keys may hold anything, even "//" (S3 allows it)
         raise ConfigError(f"malformed URL (expected {scheme}://bucket/key): {text!r}")
     return StoreURL(scheme, path)
 

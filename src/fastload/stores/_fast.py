@@ -25,7 +25,7 @@ from fastload.stores._perprocess import PerProcessCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fast_store", "read"]
+__all__ = ["fast_store", "read", "readable"]
 
 _OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "anon"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
@@ -114,6 +114,14 @@ def fast_store(scheme: str, bucket: str, options: Mapping[str, Any], key: str) -
     return _stores.get((bucket, key), create)
 
 
+def readable(key: str) -> bool:
+    """Whether obstore can address ``key`` as it is: it refuses empty, ``.`` and ``..`` path
+    segments and control characters, and drops a trailing ``/`` (such keys take the s3fs path)."""
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        return False
+    return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
+
+
 async def read(store: Any, key: str, start: int | None, end: int | None) -> bytes:
     """``key``'s bytes ``[start, end)`` (non-negative offsets) through obstore."""
     obstore = _obstore()
@@ -127,23 +135,3 @@ async def read(store: Any, key: str, start: int | None, end: int | None) -> byte
     if end <= begin:
         return b""
     return bytes(await obstore.get_range_async(store, key, start=begin, end=end))
-
-
-async def list_page(
-    store: Any, scope: str, start_after: str | None, limit: int
-) -> tuple[list[tuple[str, int, str]], bool]:
-    """Up to ``limit`` (key, size, etag) under the key prefix ``scope``, all > ``start_after``.
-
-    obstore lists whole path segments, so it is asked for the enclosing "directory" and the
-    keys outside ``scope`` are cut off here (cheap: obstore parses a page in Rust).
-    """
-    obstore = _obstore()
-    directory = scope.rsplit("/", 1)[0] if "/" in scope else None
-    stream = obstore.list(store, directory, offset=start_after, chunk_size=limit)
-    try:
-        chunk = await stream.__anext__()
-    except StopAsyncIteration:
-        return [], False
-    rows = [(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
-    inside = [row for row in rows if row[0].startswith(scope)]
-    return inside, len(inside) == len(rows) == limit

@@ -3,24 +3,32 @@
 Object stores list 1,000 keys per request, one page after another, so a single listing of a
 large prefix is a long chain of round trips. Every store here can start a listing *after* a
 given key (S3 StartAfter, GCS startOffset, B2 startFileName), so the key space can be cut into
-ranges ``(lo, hi]`` that are listed concurrently. Ranges always partition the key space, so the
-result is complete whatever the split points; the points only decide how much runs in parallel.
-They are guessed from the first page: after the last key listed, the next keys probably differ
-at the positions where the page's keys already differed.
+ranges ``(lo, hi]`` that are listed concurrently; the split points are guessed from the first
+page (after the last key listed, the next keys probably differ where the page's keys differed).
+
+Not every server orders keys as S3 specifies (UTF-8 byte order). Servers built on a file tree
+(SeaweedFS, among others) walk directories: ``StartAfter="data/P2"`` skips everything under
+``data/P2/``, and ``data/P2/x`` sorts before ``data/P2.txt``. The two orders agree about a split
+point ``p`` for every key unless ``p`` names a "directory" (``p + "/"`` has keys) or passes
+through one where ``p`` has a character that sorts below ``/`` (``data/P2-b`` when ``data/P2/``
+has keys). So a split point is used only once such prefixes are shown empty (one small listing
+each, shared), every range asks for the whole prefix, a page's keys are kept by value (not by
+their place in the page), and a range goes on with the store's own continuation token, never a
+key of ours. The result is complete on either kind of server; split points only decide how much
+runs in parallel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
 from fsspec import AbstractFileSystem
 
-from fastload.stores import _fast
 from fastload.stores._retry import retrying
 
 __all__ = ["Listed", "PageLister", "list_parallel", "page_lister"]
@@ -38,100 +46,92 @@ class Listed:
 
 
 class PageLister(Protocol):
+    #: whether the store may order keys as a file tree (S3 emulations do): split points are
+    #: then checked first (see the module docstring)
+    tree_ordered: bool
+
     async def page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[Listed], bool]:
-        """Up to ``limit`` (<= 1000) keys under ``prefix``, sorted, all > ``start_after``;
-        and whether more may follow."""
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        """Up to ``limit`` (<= 1000) keys under ``prefix``: the first page after
+        ``start_after`` when ``token`` is None, else the page ``token`` continues; and the
+        token of the next page (None at the end)."""
 
 
 class _S3Pages:
+    tree_ordered = True
+
     def __init__(self, fs: Any, bucket: str) -> None:
         self.fs, self.bucket = fs, bucket
 
     async def page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[Listed], bool]:
-        extra = {"StartAfter": start_after} if start_after else {}
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        where: dict[str, str] = {}
+        if token is not None:
+            where["ContinuationToken"] = token
+        elif start_after:
+            where["StartAfter"] = start_after
         out = await self.fs._call_s3(
-            "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=limit, **extra
+            "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=limit, **where
         )
         entries = [
             Listed(item["Key"], int(item["Size"]), str(item.get("ETag", "")).strip('"'))
             for item in out.get("Contents", [])
         ]
-        return entries, bool(out.get("IsTruncated"))
-
-
-class _ObstorePages:
-    """S3 through obstore: the same pages for a twentieth of botocore's CPU per key."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    async def page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[Listed], bool]:
-        rows, more = await _fast.list_page(self.store, prefix, start_after, limit)
-        return [Listed(*row) for row in rows], more
+        more = out.get("NextContinuationToken") if out.get("IsTruncated") else None
+        return entries, more
 
 
 class _GcsPages:
+    tree_ordered = True  # real GCS is not, but emulators may be
+
     def __init__(self, fs: Any, bucket: str) -> None:
         self.fs, self.bucket = fs, bucket
 
     async def page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[Listed], bool]:
-        extra = {"startOffset": start_after} if start_after else {}
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        where: dict[str, str] = {}
+        if token is not None:
+            where["pageToken"] = token
+        elif start_after:
+            where["startOffset"] = start_after  # inclusive: start_after itself is dropped
         out = await self.fs._call(
-            "GET",
-            "b/{}/o",
-            self.bucket,
-            prefix=prefix,
-            maxResults=limit + 1,  # startOffset is inclusive: room for start_after itself
-            json_out=True,
-            **extra,
+            "GET", "b/{}/o", self.bucket, prefix=prefix, maxResults=limit, json_out=True, **where
         )
         entries = [
             Listed(item["name"], int(item["size"]), str(item.get("generation", "")))
             for item in out.get("items", [])
+            if token is not None or item["name"] != start_after
         ]
-        return _after(entries, start_after, limit, bool(out.get("nextPageToken")))
+        return entries, out.get("nextPageToken")
 
 
 class _B2Pages:
+    tree_ordered = False  # B2 lists file names in UTF-8 byte order
+
     def __init__(self, fs: Any, bucket: str) -> None:
         self.fs, self.bucket = fs, bucket
 
     async def page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[Listed], bool]:
-        return await asyncio.to_thread(self._page, prefix, start_after, limit)
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        return await asyncio.to_thread(self._page, prefix, start_after, token, limit)
 
-    def _page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[Listed], bool]:
+    def _page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
         bucket = self.fs._bucket(self.bucket)
-        entries: list[Listed] = []
-        start = start_after  # startFileName is inclusive: _after drops start_after itself
-        while True:  # B2 may answer with fewer files than asked for; follow nextFileName
-            out = bucket.api.session.list_file_names(bucket.id_, start, limit + 1, prefix)
-            entries.extend(
-                Listed(item["fileName"], int(item["contentLength"]), str(item["fileId"]))
-                for item in out["files"]
-                if item.get("action", "upload") == "upload"
-            )
-            start = out.get("nextFileName")
-            if start is None or len(entries) > limit:
-                return _after(entries, start_after, limit, start is not None)
-
-
-def _after(
-    entries: list[Listed], start_after: str | None, limit: int, more: bool
-) -> tuple[list[Listed], bool]:
-    """A page from a store whose start key is inclusive, cut to keys > start_after."""
-    if start_after is not None:
-        entries = [e for e in entries if e.key > start_after]
-    return entries[:limit], more or len(entries) > limit
+        start = token if token is not None else start_after  # startFileName is inclusive
+        out = bucket.api.session.list_file_names(bucket.id_, start, limit, prefix)
+        entries = [
+            Listed(item["fileName"], int(item["contentLength"]), str(item["fileId"]))
+            for item in out["files"]
+            if item.get("action", "upload") == "upload"
+            and (token is not None or item["fileName"] != start_after)
+        ]
+        return entries, out.get("nextFileName")
 
 
 _LISTERS: dict[str, Callable[[Any, str], PageLister]] = {
@@ -142,13 +142,12 @@ _LISTERS: dict[str, Callable[[Any, str], PageLister]] = {
 }
 
 
-def page_lister(
-    scheme: str, fs: AbstractFileSystem, bucket: str, fast: Any = None
-) -> PageLister | None:
-    """A page-at-a-time lister for ``scheme`` (over obstore's ``fast`` store when given), or
-    None where only ``fs.find`` is available."""
-    if fast is not None:
-        return _ObstorePages(fast)
+def page_lister(scheme: str, fs: AbstractFileSystem, bucket: str) -> PageLister | None:
+    """A page-at-a-time lister for ``scheme``, or None where only ``fs.find`` is available.
+
+    Listing always goes through the store's own client: obstore (the fast read path) cannot
+    represent keys such as ``a//b``, ``./x`` or ``sub/`` and would lose or rename them.
+    """
     factory = _LISTERS.get(scheme)
     return None if factory is None else factory(fs, bucket)
 
@@ -170,6 +169,12 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
+def _guards(point: str, prefix: str) -> set[str]:
+    """Prefixes that must hold no keys for ``point`` to split a tree-ordered listing safely."""
+    below = {point[:i] + "/" for i in range(len(prefix), len(point)) if point[i] < "/"}
+    return {point + "/", *below}
+
+
 async def list_parallel(
     lister: PageLister, prefix: str, *, concurrency: int = 32, retries: int = 6
 ) -> list[Listed]:
@@ -178,46 +183,57 @@ async def list_parallel(
     A page that fails transiently is asked for again (up to ``retries`` times, backing off).
     """
     gate = asyncio.Semaphore(concurrency)
-    found: list[Listed] = []
+    found: dict[str, Listed] = {}
+    empty: dict[str, asyncio.Task[bool]] = {}
 
-    async def walk(lo: str | None, hi: str | None) -> None:
-        # Every key in (lo, hi] starts with their common prefix: asking for only that prefix
-        # keeps the store from sending a page of keys beyond hi.
-        narrowed = _common_prefix(lo, hi) if lo is not None and hi is not None else ""
-        scope = max(prefix, narrowed, key=len)
-        cursor = lo
-        if hi is None or lo is None:
-            limit = PAGE
-        elif len(scope) < len(lo) - 1:
-            limit = 1  # the tail of a split up to the parent's bound: almost always empty
-        else:
-            limit = PROBE
+    async def ask(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
+        async with gate:
+            return await retrying(
+                partial(lister.page, scope, start_after, token, limit),
+                retries=retries,
+                backoff=0.05,
+                max_backoff=5.0,
+            )
+
+    async def holds_nothing(scope: str) -> bool:
+        page, _ = await ask(scope, None, None, 1)
+        return not page
+
+    def checked(scope: str) -> Awaitable[bool]:
+        if scope not in empty:
+            empty[scope] = asyncio.ensure_future(holds_nothing(scope))
+        return empty[scope]
+
+    async def usable(points: list[str]) -> list[str]:
+        if not lister.tree_ordered:
+            return points
+        guards = [sorted(_guards(p, prefix)) for p in points]
+        flat = sorted({g for gs in guards for g in gs})
+        ok = dict(zip(flat, await asyncio.gather(*(checked(g) for g in flat)), strict=True))
+        return [p for p, gs in zip(points, guards, strict=True) if all(ok[g] for g in gs)]
+
+    async def walk(lo: str | None, hi: str | None, token: Any = None) -> None:
+        limit = PAGE if hi is None or token is not None else PROBE
         full_pages = 0
         while True:
-            async with gate:
-                page, more = await retrying(
-                    partial(lister.page, scope, cursor, limit),
-                    retries=retries,
-                    backoff=0.05,
-                    max_backoff=5.0,
-                )
+            page, token = await ask(prefix, lo, token, limit)
             limit = PAGE
             inside = [e for e in page if hi is None or e.key <= hi]
-            found.extend(inside)
-            if not more or len(inside) < len(page) or not inside:
+            found.update((e.key, e) for e in inside)
+            if token is None or len(inside) < len(page) or not inside:
                 return
-            cursor = inside[-1].key
             full_pages += 1
             # A bounded range usually ends within a page of its start: split it only once it
             # has proved long (every split costs requests, and each request server time).
-            points = (
-                _split_points(inside, prefix, cursor, hi) if hi is None or full_pages > 1 else []
-            )
+            if hi is not None and full_pages < 2:
+                continue
+            points = await usable(_split_points(inside, prefix, inside[-1].key, hi))
             if points:
-                bounds = [cursor, *points, hi]
-                await asyncio.gather(*(walk(a, b) for a, b in itertools.pairwise(bounds)))
+                # the first part goes on from this page; the others start at split points
+                first = walk(None, points[0], token)
+                rest = (walk(a, b) for a, b in itertools.pairwise([*points, hi]))
+                await asyncio.gather(first, *rest)
                 return
 
     await walk(None, None)
-    found.sort(key=lambda e: e.key)
-    return found
+    return sorted(found.values(), key=lambda e: e.key)
