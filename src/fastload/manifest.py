@@ -25,7 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
-from fastload.stores import StoreURL, filesystem, parse_url, translate
+from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
 __all__ = ["Entry", "Manifest", "ManifestChanges"]
@@ -155,7 +155,10 @@ class Manifest(Sequence[Entry]):
     ) -> Manifest:
         root = parse_url(url)
         fs = filesystem(root, storage_options)
-        lister = page_lister(root.scheme, fs, root.bucket) if parallel else None
+        lister = None
+        if parallel:
+            fast = fast_reader(root, storage_options)
+            lister = page_lister(root.scheme, fs, root.bucket, fast)
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from fastload._extras import import_extra
+from fastload._image import image_array, tiff_array
 from fastload.errors import ConfigError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "decode_npz",
     "decode_pt",
     "decode_raw",
+    "decode_tiff",
     "decoder",
     "fingerprint",
     "versioned",
@@ -208,13 +209,19 @@ def decode_raw(data: bytes) -> np.ndarray:
     return array
 
 
-@versioned(1)
+@versioned(2)
 def decode_image(data: bytes) -> np.ndarray:
-    """An image (any format Pillow reads) as an HxWxC uint8 array (needs Pillow)."""
-    image = import_extra("PIL.Image", extra="image", feature="decode_image")
-    with image.open(io.BytesIO(data)) as img:
-        array: np.ndarray = np.asarray(img.convert("RGB") if img.mode not in ("L", "RGB") else img)
-        return array
+    """An image (any format Pillow reads) as an ``H x W x C`` array in the file's own sample
+    type: 16-bit stays ``uint16``, grayscale is ``H x W x 1`` (needs ``fastload[image]``;
+    the rules: :mod:`fastload._image`)."""
+    return image_array(data)
+
+
+@versioned(1)
+def decode_tiff(data: bytes) -> np.ndarray:
+    """Every page of a TIFF as stored (any bit depth): ``H x W x C``, or ``pages x H x W x C``
+    for a multi-page file (needs ``fastload[tiff]``)."""
+    return tiff_array(data)
 
 
 _DECODERS: dict[str, Callable[[bytes], Any]] = {
@@ -223,11 +230,13 @@ _DECODERS: dict[str, Callable[[bytes], Any]] = {
     "pt": decode_pt,
     "raw": decode_raw,
     "image": decode_image,
+    "tiff": decode_tiff,
 }
 
 
 def decoder(name: str | Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """A decoder by name (``npy``, ``npz``, ``pt``, ``raw``, ``image``) or the callable itself."""
+    """A decoder by name (``npy``, ``npz``, ``pt``, ``raw``, ``image``, ``tiff``) or the
+    callable itself."""
     if callable(name):
         return name
     try:

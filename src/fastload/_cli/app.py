@@ -147,7 +147,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     ],
     cache_dir: Annotated[Path, typer.Option("--cache-dir", "-c", help="The cache directory.")],
     format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
-    decode: Annotated[str, typer.Option(help="npy, npz, pt, raw, image or module:attr.")] = "npy",
+    decode: Annotated[
+        str, typer.Option(help="npy, npz, pt, raw, image, tiff or module:attr.")
+    ] = "npy",
     transform: Annotated[str | None, typer.Option(help="module:attr of the preprocessing.")] = None,
     workers: Annotated[int, typer.Option(help="Batches in flight at once.")] = 4,
     batch_size: Annotated[int, typer.Option(help="Objects per concurrent batch.")] = 64,

@@ -25,7 +25,7 @@ from fastload.stores._perprocess import PerProcessCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fast_store", "read", "readable"]
+__all__ = ["fast_store", "list_stream", "next_page", "read", "readable"]
 
 _OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "anon"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
@@ -135,3 +135,18 @@ async def read(store: Any, key: str, start: int | None, end: int | None) -> byte
     if end <= begin:
         return b""
     return bytes(await obstore.get_range_async(store, key, start=begin, end=end))
+
+
+def list_stream(store: Any, directory: str | None, start_after: str | None, limit: int) -> Any:
+    """obstore's listing of the keys under ``directory`` (a whole path segment) after
+    ``start_after``, in chunks of ``limit``; it follows S3's continuation tokens itself."""
+    return _obstore().list(store, directory, offset=start_after, chunk_size=limit)
+
+
+async def next_page(stream: Any) -> list[tuple[str, int, str]] | None:
+    """The stream's next chunk as (key, size, etag), or None at its end."""
+    try:
+        chunk = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    return [(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 from fsspec import AbstractFileSystem
 
+from fastload.stores import _fast
+from fastload.stores._errors import Kind, classify
 from fastload.stores._retry import retrying
 
 __all__ = ["Listed", "PageLister", "list_parallel", "page_lister"]
@@ -81,6 +83,58 @@ class _S3Pages:
         ]
         more = out.get("NextContinuationToken") if out.get("IsTruncated") else None
         return entries, more
+
+
+@dataclass
+class _Stream:
+    """Where an obstore listing stands: its stream (which keeps S3's own continuation token)
+    and the last key it gave; a stream that failed once is not trusted again."""
+
+    stream: Any
+    last: str | None
+    broken: bool = False
+
+
+class _ObstorePages:
+    """S3 pages through obstore: a twentieth of botocore's CPU per key.
+
+    obstore renames some keys (a ``sub/`` marker comes back as ``sub``) and refuses others
+    (``a//b``, ``./c``, control characters): a page holding an empty object, or one obstore
+    cannot parse, is asked for again through botocore, which then lists the rest of the range.
+    """
+
+    tree_ordered = True
+
+    def __init__(self, store: Any, general: _S3Pages) -> None:
+        self.store, self.general = store, general
+
+    async def page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        if not isinstance(token, _Stream | None):  # this range went through botocore
+            return await self.general.page(prefix, start_after, token, limit)
+        if token is not None and token.broken:
+            return await self.general.page(prefix, token.last or start_after, None, limit)
+        directory = prefix.rstrip("/") or None
+        if not _fast.readable(directory or "x") or not _fast.readable(start_after or "x"):
+            return await self.general.page(prefix, start_after, None, limit)
+        cursor = token or _Stream(
+            _fast.list_stream(self.store, directory, start_after, limit), None
+        )
+        try:
+            rows = await _fast.next_page(cursor.stream)
+        except Exception as exc:
+            if token is None and classify(exc) is Kind.TRANSIENT:
+                raise  # a first page is simply asked for again
+            # a key obstore cannot parse, or a stream that failed midway (it cannot resume)
+            cursor.broken = True
+            return await self.general.page(prefix, cursor.last or start_after, None, limit)
+        if rows is None:
+            return [], None
+        if any(size == 0 for _, size, _ in rows):  # a marker, or a key obstore renamed
+            return await self.general.page(prefix, cursor.last or start_after, None, limit)
+        cursor.last = rows[-1][0] if rows else cursor.last
+        return [Listed(*row) for row in rows], cursor
 
 
 class _GcsPages:
@@ -142,12 +196,13 @@ _LISTERS: dict[str, Callable[[Any, str], PageLister]] = {
 }
 
 
-def page_lister(scheme: str, fs: AbstractFileSystem, bucket: str) -> PageLister | None:
-    """A page-at-a-time lister for ``scheme``, or None where only ``fs.find`` is available.
-
-    Listing always goes through the store's own client: obstore (the fast read path) cannot
-    represent keys such as ``a//b``, ``./x`` or ``sub/`` and would lose or rename them.
-    """
+def page_lister(
+    scheme: str, fs: AbstractFileSystem, bucket: str, fast: Any = None
+) -> PageLister | None:
+    """A page-at-a-time lister for ``scheme`` (over obstore's ``fast`` store when given), or
+    None where only ``fs.find`` is available."""
+    if fast is not None:
+        return _ObstorePages(fast, _S3Pages(fs, bucket))
     factory = _LISTERS.get(scheme)
     return None if factory is None else factory(fs, bucket)
 
