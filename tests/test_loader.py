@@ -6,6 +6,8 @@ import multiprocessing
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +94,115 @@ def test_resume_continues_at_the_next_unseen_sample(workers: int) -> None:
     assert seen + rest == labels(full)  # and in the epoch's own order
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shuffle_reshuffles_every_pass_like_torch(workers: int) -> None:
+    loader = fastload.DataLoader(Numbers(64), batch_size=8, shuffle=True, num_workers=workers)
+    passes = [labels(loader) for _ in range(3)]
+    assert all(sorted(p) == list(range(64)) for p in passes)
+    assert len({tuple(p) for p in passes}) == 3  # a new order each pass, no set_epoch needed
+    # the orders are the sampler's epochs 0, 1, 2: reproducible from the seed
+    for epoch, order in enumerate(passes):
+        again = fastload.DataLoader(Numbers(64), batch_size=8, shuffle=True, num_workers=0)
+        again.set_epoch(epoch)
+        assert labels(again) == order
+    # an explicit set_epoch wins: the same epoch twice is the same order twice
+    loader.set_epoch(7)
+    first = labels(loader)
+    loader.set_epoch(7)
+    assert labels(loader) == first
+    assert labels(loader) != first  # and without it, the next pass moves on
+    plain = fastload.DataLoader(Numbers(20), batch_size=4, num_workers=0)
+    assert labels(plain) == labels(plain) == list(range(20))  # no shuffle: one order
+
+
+def test_resume_then_reshuffle_continues_the_epochs() -> None:
+    def make() -> fastload.DataLoader:
+        return fastload.DataLoader(Numbers(50), batch_size=5, shuffle=True, num_workers=0)
+
+    reference = make()
+    epochs = [labels(reference) for _ in range(3)]
+    first = make()
+    labels(first)  # epoch 0
+    seen = []
+    for step, (_, y) in enumerate(first):  # epoch 1, stopped after 2 batches
+        seen += y.tolist()
+        if step == 1:
+            state = first.state_dict()
+            break
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert seen + labels(resumed) == epochs[1]  # the rest of epoch 1, exactly
+    assert labels(resumed) == epochs[2]  # then epoch 2, as an uninterrupted run
+
+
+class Slow(Numbers):
+    """Each sample takes ``delay`` seconds and leaves a mark when it is done."""
+
+    def __init__(self, n: int, delay: float, marks: Path | None = None) -> None:
+        super().__init__(n)
+        self.delay, self.marks = delay, marks
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.delay)
+        if self.marks is not None:
+            (self.marks / f"done-{index}").touch()
+        return super().__getitem__(index)
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "fastload-loader"]
+
+
+@pytest.mark.parametrize("how", ["break", "exception"])
+def test_leaving_the_loop_early_stops_and_joins_the_background_thread(how: str) -> None:
+    loader = fastload.DataLoader(Slow(40, delay=0.05), batch_size=2, num_workers=0)
+    assert loader.background
+
+    def run() -> None:
+        for step, _ in enumerate(loader):
+            if step == 1:
+                if how == "break":
+                    break
+                raise KeyError("the training step failed")
+
+    if how == "break":
+        run()
+    else:
+        with pytest.raises(KeyError):
+            run()
+    assert loader_threads() == []  # joined before control came back, not left running
+
+
+def test_interpreter_exit_waits_for_a_loader_left_open(tmp_path: Path) -> None:
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from pathlib import Path
+            sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+            import fastload
+            from tests.test_loader import Slow
+
+            loader = fastload.DataLoader(Slow(40, 0.3, Path({str(tmp_path)!r})), batch_size=1,
+                                         num_workers=0)
+            batches = iter(loader)
+            next(batches)  # the thread is now inside __getitem__ of a later sample
+            print("leaving", flush=True)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    marks = sorted(tmp_path.glob("done-*"))
+    started = len(marks)
+    # the sample in hand at exit was finished, not cut off mid-call by interpreter teardown
+    time.sleep(0.5)
+    assert len(sorted(tmp_path.glob("done-*"))) == started >= 2
+
+
 def test_resume_refuses_foreign_state_and_unresumable_samplers() -> None:
     loader = fastload.DataLoader(Numbers(10), batch_size=2, shuffle=True, seed=1)
     other = fastload.DataLoader(Numbers(10), batch_size=2, shuffle=True, seed=2)
@@ -135,7 +246,11 @@ def test_forkserver_only_where_it_is_a_drop_in(tmp_path: Path) -> None:
         )
     )
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert done.stdout.strip() == f"{list(range(12))} None"
 

@@ -7,6 +7,7 @@ batch) and wraps the iterator (to time the loop and count what it consumed).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import multiprocessing
@@ -16,11 +17,12 @@ import queue
 import re
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.utils.data as tud
@@ -53,7 +55,9 @@ class DataLoader(tud.DataLoader[Any]):
     Differences from torch's defaults, each overridable:
 
     - map-style datasets get a :class:`fastload.PermutationSampler` (``shuffle`` and ``seed``),
-      sharded over torch.distributed / torch_xla ranks, so no rank ever gets zero samples;
+      sharded over torch.distributed / torch_xla ranks, so no rank ever gets zero samples; with
+      ``shuffle=True`` each new pass takes the next epoch's order, as torch's loader reshuffles
+      (an explicit :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch instead);
     - ``num_workers``: :func:`default_workers`; with 0, batches load in a background thread
       (``background=True``) so loading overlaps the training step;
     - workers start with ``forkserver`` (fork-safe: no inherited client connections or
@@ -93,6 +97,7 @@ class DataLoader(tud.DataLoader[Any]):
         **kwargs: Any,
     ) -> None:
         workers = default_workers() if num_workers is None else num_workers
+        reshuffle = False
         if not isinstance(workers, int) or workers < 0:
             raise ConfigError(f"DataLoader num_workers must be an int >= 0, got {num_workers!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
@@ -105,6 +110,7 @@ class DataLoader(tud.DataLoader[Any]):
             if not hasattr(dataset, "__len__"):
                 raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
             sampler = PermutationSampler(len(dataset), shuffle=bool(shuffle), seed=seed)
+            reshuffle = bool(shuffle)
             shuffle = None
         auto_collation = batch_sampler is not None or batch_size is not None
         collate = collate_fn or (tud.default_collate if auto_collation else tud.default_convert)
@@ -136,6 +142,9 @@ class DataLoader(tud.DataLoader[Any]):
         self.meter = Meter(hooks, log_every)
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
+        self._reshuffle = reshuffle  # our own shuffled sampler: a new order each pass
+        self._lookaheads: weakref.WeakSet[_Lookahead] = weakref.WeakSet()
+        self._passes = 0
 
     # -- iteration -----------------------------------------------------------------------------
     @property
@@ -147,19 +156,31 @@ class DataLoader(tud.DataLoader[Any]):
             return base
         if getattr(self.dataset, "cache", None) is None:
             return base
-        return _Lookahead(base, prefetch, self.lookahead)
+        lookahead = _Lookahead(base, prefetch, self.lookahead)
+        self._lookaheads.add(lookahead)
+        return lookahead
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self._reshuffle and isinstance(self.sampler, PermutationSampler):
+            self.sampler._new_pass(advance=self._passes > 0)
+        self._passes += 1
         self._consumed = 0
         batches: Iterator[Any] = super().__iter__()
         if self.num_workers == 0 and self.background:
-            batches = _in_background(batches, depth=2)
+            batches = iter(_Background(batches, depth=2))
         return self._deliver(batches)
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for item in self.meter.timed(self._unwrapped(batches)):
-            self._consumed += 1
-            yield item
+        try:
+            for item in self.meter.timed(self._unwrapped(batches)):
+                self._consumed += 1
+                yield item
+        finally:  # left early (break, an exception): stop the producers before going on
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+            for lookahead in list(self._lookaheads):
+                lookahead.close()
 
     def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
         for item in batches:
@@ -330,40 +351,72 @@ def _worker_seed(seed: int) -> int:
 # --- background loading and lookahead ---------------------------------------------------------
 
 
-def _in_background(batches: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Produce ``batches`` in a thread, ``depth`` ahead; errors re-raise in the consumer."""
-    ready: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class _Background:
+    """Batches made in a daemon thread, ``depth`` ahead; errors re-raise in the consumer.
 
-    def put(item: Any, error: BaseException | None = None) -> bool:
-        while not stop.is_set():
+    :meth:`close` stops the thread and waits for it (it finishes the batch in hand): the loop's
+    end, a ``break`` or an exception closes it before control returns, and so does interpreter
+    exit for one left open, so no thread is inside a dataset's ``__getitem__`` (a pyarrow read,
+    say) while the interpreter shuts down; that aborted or hung the process.
+    """
+
+    running: ClassVar[set[_Background]] = set()
+
+    def __init__(self, batches: Iterator[Any], depth: int) -> None:
+        self.batches = batches
+        self.ready: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="fastload-loader", daemon=True)
+        _Background.running.add(self)
+        self.thread.start()
+
+    def _put(self, item: Any, error: BaseException | None = None) -> bool:
+        while not self.stop.is_set():
             try:
-                ready.put((item, error), timeout=0.1)
+                self.ready.put((item, error), timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def produce() -> None:
+    def _produce(self) -> None:
         try:
-            for batch in batches:
-                if not put(batch):
+            for batch in self.batches:
+                if not self._put(batch):
                     return
-            put(_END)
+            self._put(_END)
         except BaseException as exc:
-            put(_END, exc)
+            self._put(_END, exc)
 
-    threading.Thread(target=produce, name="fastload-loader", daemon=True).start()
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
-            if item is _END:
-                return
-            yield item
-    finally:
-        stop.set()
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            while True:
+                item, error = self.ready.get()
+                if error is not None:
+                    raise error
+                if item is _END:
+                    return
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+        _Background.running.discard(self)
+
+    @classmethod
+    def close_all(cls, timeout: float = 60.0) -> None:
+        """At interpreter exit: stop every producer and give each ``timeout`` s to finish."""
+        for background in list(cls.running):
+            background.stop.set()
+            background.thread.join(timeout)
+            if background.thread.is_alive():
+                log.warning("fastload-loader thread still busy after %.0f s at exit", timeout)
+
+
+atexit.register(_Background.close_all)
 
 
 class _Lookahead:
@@ -371,24 +424,30 @@ class _Lookahead:
 
     def __init__(self, batches: Any, prefetch: Callable[[Any], Future[None]], depth: int) -> None:
         self.batches, self.prefetch, self.depth = batches, prefetch, depth
+        self.started: deque[Future[None]] = deque()
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Any]:
-        source = iter(self.batches)
         ahead: deque[Any] = deque()
-        started: deque[Future[None]] = deque()
         try:
-            for batch in source:
+            for batch in self.batches:
                 ahead.append(batch)
-                started.append(self.prefetch(batch))  # as it enters the window
-                if len(started) > self.depth + 1:
-                    started.popleft()
+                self.started.append(self.prefetch(batch))  # as it enters the window
+                if len(self.started) > self.depth + 1:
+                    self.started.popleft()
                 if len(ahead) > self.depth:
                     yield ahead.popleft()
             while ahead:
                 yield ahead.popleft()
         finally:
-            for future in started:
-                future.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the prefetches not started; wait for those running (none outlives a pass)."""
+        started = list(self.started)
+        self.started.clear()
+        for future in started:
+            future.cancel()
+        wait(started)

@@ -186,10 +186,12 @@ class PermutationSampler(Sampler[int]):
         self.epoch = 0
         self._yielded = 0
         self._plan = self._make_plan(0)
+        self._epoch_chosen = False  # set_epoch/load_state_dict since the loader last looked
 
     # -- epochs and layout -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch``. Setting the current epoch again keeps a resume point."""
+        self._epoch_chosen = True
         if epoch != self.epoch:
             self.epoch = epoch
             self._plan = self._make_plan(0)
@@ -338,6 +340,14 @@ class PermutationSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._plan = self._make_plan(position)
         self._yielded = 0
+        self._epoch_chosen = True
+
+    def _new_pass(self, advance: bool) -> None:
+        """A loader starts a pass: go on to the next epoch (``advance``) unless one was chosen
+        since the last pass. This is how ``DataLoader(shuffle=True)`` reshuffles, as torch's."""
+        if advance and not self._epoch_chosen:
+            self.set_epoch(self.epoch + 1)
+        self._epoch_chosen = False
 
     def __repr__(self) -> str:
         return (
