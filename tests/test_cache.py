@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import signal
 import stat
 import subprocess
@@ -516,20 +517,71 @@ def test_prune_evicts_down_to_a_size(tmp_path: Path) -> None:
     assert removed >= 6 and cache.stats()["used_bytes"] <= 30_000
 
 
-def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+def test_a_writer_is_judged_by_its_lock_not_its_pid(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
+    live_digest, dead_digest = "a" * 40, "b" * 40
+    # a writer in another PID namespace: its PID means nothing here, but it holds the lock
+    live = cache.root / "tmp" / f"{live_digest}.999999999.0badc0de"
+    live.write_bytes(b"being written in another container")
+    # a crashed writer whose PID was reused by a live process: no one holds its lock
+    dead = cache.root / "tmp" / f"{dead_digest}.{os.getpid()}.deadbeef"
+    dead.write_bytes(b"half an entry")
+    stray = cache.root / "tmp" / "notes.txt"
+    stray.write_bytes(b"not the cache's")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path;"
+            " from fastload.cache._locks import FileLock;"
+            " FileLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)",
+            str(cache._lock(live_digest).path),
+        ],
+        stdout=subprocess.PIPE,
         text=True,
-        check=True,
     )
-    stale = cache.root / "tmp" / f"abc.{dead.stdout.strip()}.1234"
-    stale.write_bytes(b"half an entry")
-    live = cache.root / "tmp" / f"abc.{os.getpid()}.5678"
-    live.write_bytes(b"being written")
-    Cache(tmp_path)
-    assert not stale.exists() and live.exists()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        Cache(tmp_path)
+        assert live.exists() and not dead.exists() and stray.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    Cache(tmp_path)  # the writer is gone now: its file goes
+    assert not live.exists() and stray.exists()
+
+
+def test_the_cache_never_follows_links_out_of_its_root(tmp_path: Path) -> None:
+    outside = tmp_path / "user-data"
+    outside.mkdir()
+    precious = outside / ("c" * 40 + ".npy")  # even a name the cache could have made
+    precious.write_bytes(b"the user's own file")
+    (outside / "notes.txt").write_bytes(b"also the user's")
+    root = tmp_path / "cache"
+    cache = Cache(root, format="npy")
+    cache.put("sample", np.arange(10))
+    # tmp/ replaced by a link: refused at open, nothing deleted there
+    shutil.rmtree(root / "tmp")
+    (root / "tmp").symlink_to(outside)
+    with pytest.raises(CacheError, match="symlink"):
+        Cache(root, format="npy")
+    with pytest.raises(CacheError, match="symlink"):
+        cache.clear()
+    assert sorted(p.name for p in outside.iterdir()) == [precious.name, "notes.txt"]
+    (root / "tmp").unlink()
+    (root / "tmp").mkdir()
+    # a shard folder linked elsewhere: prune, verify and len never look (or delete) there
+    (root / "entries" / "cc").symlink_to(outside)
+    (root / "entries" / ".DS_Store").write_bytes(b"finder")  # stray files: ignored
+    (next((root / "entries").glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]")) / ".DS_Store").touch()
+    cache = Cache(root, format="npy")
+    assert len(cache) == 1
+    assert cache.verify().corrupt == []
+    assert cache.prune(max_bytes=1) == 1
+    assert sorted(p.name for p in outside.iterdir()) == [precious.name, "notes.txt"]
+    assert (root / "entries" / ".DS_Store").exists()
 
 
 def test_formats_sharing_a_directory_keep_to_their_own_entries(tmp_path: Path) -> None:

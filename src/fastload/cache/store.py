@@ -12,7 +12,8 @@ Layout under ``root``::
 
 A sample's file name is a hash of its name and the format, so no name can reach outside
 ``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
-only a file in tmp/, which the next Cache removes once its process is gone.
+only a file in tmp/, which the next Cache removes once no one holds the entry's lock. The
+cache deletes only what it wrote: names it made, in folders it made, never through a symlink.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
-import time
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +48,10 @@ _LAYOUT = 1
 _MARKER = "fastload-cache.json"
 _TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to delete\n"
 _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
-_STALE_TMP_SECONDS = 24 * 3600
+_SUBDIRS = ("entries", "locks", "tmp")
+_DIGEST = re.compile(r"[0-9a-f]{40}")
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_TMP_NAME = re.compile(r"([0-9a-f]{40})\.\d+\.[0-9a-f]{8}")
 _MISSING: Any = object()
 
 
@@ -124,8 +129,10 @@ class Cache:
                 _atomic_text(marker, json.dumps({"layout": _LAYOUT}))
             elif json.loads(marker.read_text()).get("layout") != _LAYOUT:
                 raise CacheError(f"{self.root} holds a cache of another fastload layout")
-            for sub in ("entries", "locks", "tmp"):
-                (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+            for sub in _SUBDIRS:
+                with contextlib.suppress(FileExistsError):
+                    (self.root / sub).mkdir(mode=0o700)
+            self._check_subdirs()
         except (OSError, ValueError) as exc:
             if isinstance(exc, CacheError):
                 raise
@@ -134,14 +141,30 @@ class Cache:
             raise CacheError(f"cache directory is not writable: {self.root}")
         self._remove_stale_tmp()
 
+    def _check_subdirs(self) -> None:
+        """entries/, locks/ and tmp/ must be real folders: the cache deletes inside them, and
+        a symlink would lead it out of its root."""
+        for sub in _SUBDIRS:
+            if not _real_dir(self.root / sub):
+                raise CacheError(
+                    f"{self.root / sub} is a symlink or not a folder; a cache never follows "
+                    "links out of its root (remove it, or choose another cache directory)"
+                )
+
     def _remove_stale_tmp(self) -> None:
-        now = time.time()
-        for item in (self.root / "tmp").iterdir():
-            pid = item.name.split(".")[1] if item.name.count(".") >= 2 else ""
-            with contextlib.suppress(FileNotFoundError):
-                old = now - item.lstat().st_mtime > _STALE_TMP_SECONDS
-                if old or not (pid.isdigit() and _alive(int(pid))):
-                    _remove(item)
+        """Delete temporary files whose writer is gone: a writer holds its entry's lock while
+        its file exists (a PID says nothing across containers). Files not ours stay."""
+        with os.scandir(self.root / "tmp") as items:
+            for item in items:
+                digest = _TMP_NAME.fullmatch(item.name)
+                if digest is None:
+                    continue
+                lock = self._lock(digest[1])
+                if lock.acquire(blocking=False):
+                    try:
+                        _remove(item.path)
+                    finally:
+                        lock.release(remove=True)
 
     # --- paths --------------------------------------------------------------------------------
 
@@ -189,7 +212,7 @@ class Cache:
         if not held and not lock.acquire(blocking=False):
             return  # its holder is rewriting it
         try:
-            freed = _remove(path)
+            freed = _remove(path) if self._in_root(path) else 0
         finally:
             if not held:
                 lock.release(remove=True)
@@ -350,6 +373,10 @@ class Cache:
                 return
             path = self._path(digest)
             private_dirs(Path(path).parent)
+            if not self._in_root(path):
+                raise CacheError(
+                    f"{os.path.dirname(path)} is a symlink; the cache will not follow it"
+                )
             with self._usage() as used:
                 if self.max_bytes is not None and used[0] + size > self.max_bytes:
                     used[0] = self._evict(int(self.max_bytes * _LOW_WATER) - size)
@@ -396,10 +423,27 @@ class Cache:
             used[0] += delta
 
     def _files(self) -> Iterator[os.DirEntry[str]]:
-        """This format's entries on disk (another format's are its own Cache's business)."""
-        for shard in sorted((self.root / "entries").glob("*/*")):
-            with os.scandir(shard) as items:
-                yield from (i for i in items if i.name.endswith(self._layout.suffix))
+        """This format's entries on disk (another format's are its own Cache's business).
+
+        Only what the cache writes is seen: two levels of two-hex-digit folders (never a
+        symlink) holding files named by a digest; a stray ``.DS_Store`` or a link is ignored.
+        """
+        for shard in _subfolders(self._entry_root):
+            for inner in _subfolders(shard):
+                with os.scandir(inner) as items:
+                    yield from (item for item in items if self._ours(item))
+
+    def _ours(self, item: os.DirEntry[str]) -> bool:
+        suffix = self._layout.suffix
+        name = item.name
+        if not (name.endswith(suffix) and _DIGEST.fullmatch(name[: len(name) - len(suffix)])):
+            return False
+        return item.is_dir(follow_symlinks=False) == self._layout.directory
+
+    def _in_root(self, path: str) -> bool:
+        """Whether ``path``'s shard folders are real folders (never links out of the root)."""
+        inner = os.path.dirname(path)
+        return _real_dir(inner) and _real_dir(os.path.dirname(inner))
 
     def _entries(self) -> Iterator[_Entry]:
         for item in self._files():
@@ -442,9 +486,10 @@ class Cache:
         """Remove ``name``'s entry; False when there was none."""
         digest = self._digest(name)
         lock = self._lock(digest)
+        path = self._path(digest)
         lock.acquire()
         try:
-            freed = _remove(self._path(digest))
+            freed = _remove(path) if self._in_root(path) else 0
         finally:
             lock.release(remove=True)
         self._add_usage(-freed)
@@ -486,6 +531,7 @@ class Cache:
 
     def clear(self) -> None:
         """Remove every entry (the directory stays a fastload cache)."""
+        self._check_subdirs()
         with self._usage() as used:
             for sub in ("entries", "locks"):
                 shutil.rmtree(self.root / sub, ignore_errors=True)
@@ -515,14 +561,24 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _alive(pid: int) -> bool:
+def _real_dir(path: str | Path) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def _subfolders(path: str) -> list[str]:
+    """The two-hex-digit shard folders in ``path`` (real folders only), sorted."""
+    try:
+        with os.scandir(path) as items:
+            return sorted(
+                i.path
+                for i in items
+                if _SHARD.fullmatch(i.name) and i.is_dir(follow_symlinks=False)
+            )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _why(exc: BaseException) -> str:
