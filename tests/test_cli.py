@@ -299,6 +299,28 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
+@pytest.mark.parametrize(
+    "token",
+    [
+        "ya29.never-print-me-0a1b",
+        json.dumps(
+            {
+                "type": "authorized_user",
+                "client_id": "id",
+                "client_secret": "never-print-me-client",
+                "refresh_token": "never-print-me-refresh",
+            }
+        ),
+    ],
+)
+def test_credentials_never_reach_the_terminal(token: str) -> None:
+    # the token endpoint cannot be reached: google-auth's error names it with the token in
+    # its query string; fastload prints the error line without it
+    done = fastload("ls", "gs://some-bucket/x", "-o", f"token={token}", timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "never-print-me" not in done.stdout + done.stderr, done.stderr
+
+
 def test_version_and_help() -> None:
     from fastload import __version__
 

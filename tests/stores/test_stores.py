@@ -176,3 +176,21 @@ def test_b2_without_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("B2_APPLICATION_KEY", raising=False)
     with pytest.raises(AccessDeniedError, match="B2_APPLICATION_KEY_ID"):
         fsspec.filesystem("b2", skip_instance_cache=True)
+
+
+def test_redaction_of_credentials_in_messages() -> None:
+    from fastload.stores._errors import redact, secret_values
+
+    secrets = secret_values(
+        {"key": "AKIAEXAMPLE", "token": {"refresh_token": "r3fresh"}, "endpoint_url": "http://h"}
+    )
+    assert secrets == {"AKIAEXAMPLE", "r3fresh"}  # endpoint_url is not a credential
+    text = (
+        "GET https://bucket.s3.amazonaws.com/k?X-Amz-Credential=AKIAEXAMPLE%2F2026&"
+        "X-Amz-Signature=abcdef&partNumber=2 failed; url: /tokeninfo?access_token=ya29.x; "
+        "proxy http://user:hunter2@proxy:3128; refresh r3fresh"
+    )
+    clean = redact(text, secrets)
+    for leaked in ("AKIAEXAMPLE", "abcdef", "ya29.x", "hunter2", "r3fresh"):
+        assert leaked not in clean, clean
+    assert "partNumber=2" in clean and "proxy:3128" in clean  # the rest stays readable

@@ -26,6 +26,7 @@ from fastload.dataset import RemoteDataset
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest
 from fastload.stores import parse_url
+from fastload.stores._errors import redact, secret_values
 from fastload.transforms import decoder
 from fastload.warm import WarmReport, warm_cache, warm_order
 
@@ -43,7 +44,14 @@ cache_app = typer.Typer(help="Inspect and maintain a cache directory.", no_args_
 app.add_typer(manifest_app, name="manifest")
 app.add_typer(cache_app, name="cache")
 
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "secrets": set()}
+# credentials the environment may hold: never echoed in an error line
+_SECRET_VARIABLES = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "B2_APPLICATION_KEY",
+    "GOOGLE_OAUTH_ACCESS_TOKEN",
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 StorageOptions = Annotated[
@@ -53,6 +61,21 @@ StorageOptions = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+
+def _secrets() -> set[str]:
+    from_env = {os.environ.get(name, "") for name in _SECRET_VARIABLES} - {""}
+    return set(_state["secrets"]) | from_env
+
+
+def _redact_record(record: logging.LogRecord) -> bool:
+    """Log lines (ours and the clients') pass through the same redaction as error lines."""
+    text = record.getMessage()
+    if record.exc_info:
+        text += "\n" + logging.Formatter().formatException(record.exc_info)
+        record.exc_info = None
+    record.msg, record.args = redact(text, _secrets()), None
+    return True
 
 
 def _version(value: bool) -> None:
@@ -74,6 +97,8 @@ def _root(
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_redact_record)
 
 
 # --- argument parsing ---------------------------------------------------------------------------
@@ -100,6 +125,7 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
             options[key] = json.loads(raw)
         except ValueError:
             options[key] = raw
+    _state["secrets"] |= secret_values(options)
     return options
 
 
@@ -503,6 +529,6 @@ def run(argv: list[str]) -> int:
             if isinstance(exc, (FastloadError, OSError))
             else f"{type(exc).__name__}: {exc}"
         )
-        err.print(f"fastload: {kind}: {message}", markup=False, soft_wrap=True)
+        err.print(f"fastload: {kind}: {redact(message, _secrets())}", markup=False, soft_wrap=True)
         return 2 if usage else 1
     return code if isinstance(code, int) else 0  # a command's typer.Exit(code) lands here

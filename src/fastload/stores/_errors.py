@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from fastload.errors import (
     AccessDeniedError,
@@ -20,7 +21,7 @@ from fastload.errors import (
     TransientStoreError,
 )
 
-__all__ = ["Kind", "classify", "translate"]
+__all__ = ["Kind", "classify", "redact", "secret_values", "translate"]
 
 
 class Kind(enum.Enum):
@@ -187,3 +188,41 @@ def translate(exc: BaseException, url: str) -> StoreError:
     detail = type(exc).__name__
     error: StoreError = kind.value(f"{_MESSAGES[kind]} ({detail})", url=url)
     return error
+
+
+_SENSITIVE = re.compile(r"token|secret|key|password|passwd|credential|signature|sig|auth", re.I)
+_QUERY_SECRET = re.compile(
+    r"([?&;][^=&\s]*(?:token|secret|key|password|credential|signature|sig)[^=&\s]*=)"
+    r"[^&\s'\")\]]+",
+    re.I,
+)
+_USERINFO = re.compile(r"(://)[^/@\s:]+:[^/@\s]+@")
+_REDACTED = "***"
+
+
+def secret_values(options: Mapping[str, Any] | None) -> set[str]:
+    """The string values of ``storage_options`` entries that look like credentials (keys,
+    secrets, tokens; nested, as in a token given as a JSON document)."""
+    found: set[str] = set()
+
+    def walk(value: Any, sensitive: bool) -> None:
+        if isinstance(value, Mapping):
+            for name, inner in value.items():
+                walk(inner, sensitive or bool(_SENSITIVE.search(str(name))))
+        elif isinstance(value, (list, tuple)):
+            for inner in value:
+                walk(inner, sensitive)
+        elif isinstance(value, str) and sensitive and len(value) >= 4:
+            found.add(value)
+
+    walk(options or {}, False)
+    return found
+
+
+def redact(text: str, secrets: set[str] | frozenset[str] = frozenset()) -> str:
+    """``text`` without credentials: the given secret values, ``user:password@`` in URLs and
+    query parameters named like tokens, keys or signatures (``?access_token=...``)."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, _REDACTED)
+    text = _USERINFO.sub(rf"\1{_REDACTED}@", text)
+    return _QUERY_SECRET.sub(rf"\1{_REDACTED}", text)
