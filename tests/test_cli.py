@@ -285,9 +285,12 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
             "no-such-bucket",
         ),
         (["cache", "stats", str(REPO)], 2, "not a fastload cache"),
+        (["manifest", "show", str(tmp_path / "empty.npz")], 2, "empty.npz"),
+        (["manifest", "show", str(tmp_path / "f")], 2, "not a readable fastload manifest"),
         (["warm-cache", "--cache-dir", str(cdir)], 2, "Missing argument"),
     ]
     (tmp_path / "f").write_text("a file, not a folder")
+    (tmp_path / "empty.npz").write_bytes(b"")
     for args, code, words in cases:
         done = fastload(*args)
         assert done.returncode == code, (args, done.stderr)

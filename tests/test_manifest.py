@@ -189,3 +189,33 @@ def test_rank_zero_lists_and_broadcasts(tmp_path: Path) -> None:
     # the listing error reached every rank (no rank is left waiting for a broadcast)
     assert result["error0"] == result["error1"]
     assert "missing" in result["error1"]
+
+
+def test_damaged_or_foreign_manifest_files_are_config_errors_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    good = tmp_path / "good.npz"
+    synthetic(100).save(good)
+    body = good.read_bytes()
+    no_root = tmp_path / "no-root.npz"
+    np.savez(
+        no_root,
+        meta=np.frombuffer(json.dumps({"format": "fastload-manifest/1"}).encode(), np.uint8),
+    )
+    cases = {
+        "empty.npz": b"",
+        "truncated.npz": body[: len(body) // 2],
+        "noise.npz": os.urandom(4096),
+        "text.npz": b"key,label\na,1\n",
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    np.savez(tmp_path / "foreign.npz", weights=np.ones(3))
+    np.save(tmp_path / "array.npy", np.ones(3))
+    paths = [tmp_path / n for n in cases] + [tmp_path / "foreign.npz", tmp_path / "array.npy"]
+    for path in [*paths, no_root]:
+        with pytest.raises(ConfigError) as info:
+            Manifest.load(path)
+        assert str(path) in str(info.value), info.value
+    with pytest.raises(FileNotFoundError):
+        Manifest.load(tmp_path / "absent.npz")

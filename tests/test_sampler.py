@@ -243,3 +243,20 @@ def test_weighted_sampler_shards_and_resumes() -> None:
     resumed = WeightedSampler(weights, 100, seed=1)
     resumed.load_state_dict(sampler.state_dict())
     assert head + list(resumed) == whole
+
+
+def test_bad_sizes_and_states_are_config_errors() -> None:
+    for n in (2**64, 2**62, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="n must be"):
+            PermutationSampler(n)  # type: ignore[arg-type]
+    big = PermutationSampler(2**62 - 1, seed=3)
+    assert big.indices(0, 4).min() >= 0 and big.indices(0, 4).max() < 2**62 - 1
+    sampler = PermutationSampler(100, seed=1)
+    good = sampler.state_dict()
+    with pytest.raises(ConfigError, match="expected the dict"):
+        sampler.load_state_dict(None)  # type: ignore[arg-type]
+    for field in ("epoch", "position", "n"):
+        with pytest.raises(ConfigError, match=f"lacks {field!r}"):
+            sampler.load_state_dict({k: v for k, v in good.items() if k != field})
+    with pytest.raises(ConfigError, match="epoch must be an int"):
+        sampler.load_state_dict({**good, "epoch": "3"})

@@ -366,29 +366,42 @@ class Manifest(Sequence[Entry]):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, url: str | None = None) -> Manifest:
-        """Read a saved manifest; with ``url``, refuse one listed from a different root."""
+        """Read a saved manifest; with ``url``, refuse one listed from a different root.
+
+        A file that is missing raises ``FileNotFoundError``; one that is empty, truncated,
+        foreign or damaged raises :class:`ConfigError` naming it.
+        """
         try:
-            with np.load(Path(path), allow_pickle=False) as data:
-                meta = json.loads(data["meta"].tobytes())
-                if meta.get("format") != FORMAT:
-                    raise ConfigError(f"not a {FORMAT} file: {path}")
-                manifest = cls(
-                    meta["root"],
-                    _Strings(data["key_blob"], data["key_ends"]),
-                    data["sizes"],
-                    _Strings(data["version_blob"], data["version_ends"]),
-                    labels=data.get("labels"),
-                    classes=meta.get("classes"),
-                )
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-            if isinstance(exc, (ConfigError, FileNotFoundError)):
-                raise
-            raise ConfigError(f"not a readable fastload manifest: {path} ({exc})") from exc
-        if manifest.fingerprint != meta["fingerprint"]:
+            manifest, meta = cls._read(Path(path))
+        except (ConfigError, FileNotFoundError):
+            raise
+        except Exception as exc:  # zip, numpy and JSON each fail in their own way
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+            raise ConfigError(f"not a readable fastload manifest: {path} ({reason})") from exc
+        if manifest.fingerprint != meta.get("fingerprint"):
             raise ConfigError(f"manifest is corrupt (fingerprint mismatch): {path}")
         if url is not None and str(parse_url(url)).rstrip("/") != manifest.root:
             raise ConfigError(f"manifest {path} lists {manifest.root}, not {url}")
         return manifest
+
+    @classmethod
+    def _read(cls, path: Path) -> tuple[Manifest, dict[str, Any]]:
+        # numpy leaves its own handle open when a zip is damaged: open the file here
+        with path.open("rb") as file, np.load(file, allow_pickle=False) as data:
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ConfigError(f"not a {FORMAT} file (a bare array): {path}")
+            meta = json.loads(data["meta"].tobytes())
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise ConfigError(f"not a {FORMAT} file: {path}")
+            manifest = cls(
+                meta["root"],
+                _Strings(data["key_blob"], data["key_ends"]),
+                data["sizes"],
+                _Strings(data["version_blob"], data["version_ends"]),
+                labels=data.get("labels"),
+                classes=meta.get("classes"),
+            )
+        return manifest, meta
 
     def refresh(
         self, *, storage_options: Mapping[str, Any] | None = None, parallel: bool = True

@@ -34,6 +34,8 @@ _ROUNDS = 4  # Luby-Rackoff: four rounds of a good round function give a strong 
 _CHUNK = 1 << 16  # positions per vectorised step: cache-sized
 _FIRST_CHUNK = 256  # the first index must come fast (and so must a resume)
 _STATE_VERSION = 1
+_MAX_N = 1 << 62  # positions and indices are int64, padded positions up to 2n
+_STATE_FIELDS = ("n", "seed", "shuffle", "block_size", "window", "epoch", "position")
 
 
 def _splitmix64(value: int) -> int:
@@ -165,8 +167,8 @@ class PermutationSampler(Sampler[int]):
         block_size: int | None = None,
         window: int = 4,
     ) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigError(f"PermutationSampler: n must be an int >= 0, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _MAX_N:
+            raise ConfigError(f"PermutationSampler: n must be an int in [0, 2**62), got {n!r}")
         default_rank, default_world = _default_rank_world()
         world_size = default_world if world_size is None else world_size
         rank = default_rank if rank is None else rank
@@ -323,9 +325,19 @@ class PermutationSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at its global position, in O(1)."""
-        for field in ("n", "seed", "shuffle", "block_size", "window"):
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"PermutationSampler.load_state_dict: expected the dict state_dict() gave, "
+                f"got {type(state).__name__}"
+            )
+        for field in _STATE_FIELDS:
             if field not in state:
                 raise ConfigError(f"PermutationSampler.load_state_dict: state lacks {field!r}")
+        if not isinstance(state["epoch"], int) or isinstance(state["epoch"], bool):
+            raise ConfigError(
+                f"PermutationSampler.load_state_dict: epoch must be an int, got {state['epoch']!r}"
+            )
+        for field in ("n", "seed", "shuffle", "block_size", "window"):
             if state[field] != getattr(self, field):
                 raise ConfigError(
                     f"PermutationSampler.load_state_dict: state has {field}={state[field]!r} "
