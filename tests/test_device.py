@@ -176,6 +176,83 @@ def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
     assert warm["cache"]["hits"] == 64
 
 
+class SlowStart(Batches):
+    """The first batch takes ``first`` seconds (worker start-up, a cold listing), then none."""
+
+    def __init__(self, first: float, count: int = 20) -> None:
+        super().__init__(count=count)
+        self.first = first
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        time.sleep(self.first)
+        yield from super().__iter__()
+
+
+def test_a_loop_that_waited_for_its_first_batch_is_data_bound_and_says_so() -> None:
+    loader = DeviceLoader(SlowStart(first=1.0), "cpu")
+    started = time.perf_counter()
+    waited, asked = 0.0, started
+    for _ in loader:
+        waited += time.perf_counter() - asked
+        time.sleep(0.01)
+        asked = time.perf_counter()
+    wall_share = waited / (time.perf_counter() - started)
+    report = loader.report()
+    assert report["bound"] == "data", report["verdict"]
+    assert "the first batch" in report["cause"] and report["first_batch_s"] >= 1.0
+    # the figure agrees with the loop's own wall-clock measure (what make demo prints)
+    assert abs(report["wait_share"] - wall_share) < 0.05, (report["wait_share"], wall_share)
+    assert report["steady_wait_share"] < 0.1
+
+
+def test_one_meter_for_a_device_loader_over_a_fastload_loader() -> None:
+    data = [(torch.full((2,), float(i)), i) for i in range(40)]
+    loader = fastload.DataLoader(data, batch_size=4, num_workers=0)
+    device = DeviceLoader(loader, "cpu")
+    assert device.meter is loader.meter
+    run(device, step=0.002)
+    assert device.report() == loader.report()
+    assert loader.meter.stats.samples == 40  # counted once, not by both loaders
+    run(device, step=0.002)
+    assert device.report("all")["passes"] == 2 and device.report()["window"] == "pass 2"
+
+
+class SerialReads(torch.utils.data.Dataset[bytes]):
+    """A user's dataset reading its sample's five objects one after another (no fastload)."""
+
+    def __init__(self, urls: list[str], options: dict[str, Any]) -> None:
+        self.urls, self.options = urls, options
+
+    def __len__(self) -> int:
+        return len(self.urls) // 5
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from fastload.stores import filesystem
+
+        fs = filesystem(self.urls[0], self.options)
+        parts = [fs.cat_file(u) for u in self.urls[index * 5 : index * 5 + 5]]
+        return torch.tensor([len(p) for p in parts])
+
+
+def test_cached_dataset_time_is_blamed_on_the_wrapped_dataset_not_decoding(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    root = upload(f"s3://{BUCKET}/cd-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 40)
+    urls = sorted(
+        e.url for e in fastload.Manifest.build(root, storage_options=seaweed.storage_options())
+    )
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.03)) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = fastload.CachedDataset(SerialReads(urls, options), Cache(tmp_path), version="1")
+        loader = fastload.DataLoader(dataset, batch_size=2, num_workers=0, lookahead=0)
+        cold = run(DeviceLoader(loader, "cpu"), step=0.001)
+        warm = run(DeviceLoader(loader, "cpu"), step=0.02)
+    assert cold["bound"] == "data", cold["verdict"]
+    assert "wrapped dataset" in cold["cause"] and "decode" not in cold["cause"], cold["cause"]
+    assert warm["bound"] == "compute", warm["verdict"]
+    assert warm["cache"]["misses"] == 0 and warm["cache"]["hits"] == 8
+
+
 # --- CUDA (run on a GPU machine; skipped elsewhere) --------------------------------------------
 
 

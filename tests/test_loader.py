@@ -277,8 +277,15 @@ def test_worker_counters_reach_the_report(
     list(loader)  # a warm epoch through the same (persistent) workers
     warm = loader.stage_counters()
     assert warm is not None and warm.cache.hits == 48 and warm.fetch.objects == 48
-    report = loader.report()
-    assert report["cache"]["hits"] == 48 and report["samples"] == 96
+    # the report covers one window: this (warm) pass, or everything since the start
+    epoch = loader.report()
+    assert epoch["window"] == "pass 2" and epoch["samples"] == 48
+    assert epoch["cache"]["hits"] == 48 and epoch["cache"]["misses"] == 0
+    assert epoch["fetch"]["requests"] == 0 and "cache misses" not in str(epoch["cause"])
+    total = loader.report("all")
+    assert total["samples"] == 96 and total["passes"] == 2
+    assert total["cache"]["hits"] == 48 and total["cache"]["misses"] == 48
+    assert epoch["verdict"].startswith("pass 2") and total["verdict"].startswith("since start")
 
 
 def test_lookahead_fetches_ahead_of_the_workers(

@@ -30,7 +30,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from fastload.errors import ConfigError
 from fastload.sampler import PermutationSampler, _default_rank_world, _splitmix64
-from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, stall_report
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, Window, window_report
 from fastload.stats import StageCounters
 
 __all__ = ["DataLoader", "default_workers"]
@@ -144,6 +144,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._worker_counters = StageCounters()
         self._reshuffle = reshuffle  # our own shuffled sampler: a new order each pass
         self._lookaheads: weakref.WeakSet[_Lookahead] = weakref.WeakSet()
+        self._pass_start: StageCounters | None = None  # counters when the pass began
         self._passes = 0
 
     # -- iteration -----------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class DataLoader(tud.DataLoader[Any]):
             self.sampler._new_pass(advance=self._passes > 0)
         self._passes += 1
         self._consumed = 0
+        self._pass_start = copy.deepcopy(self.stage_counters())
         batches: Iterator[Any] = super().__iter__()
         if self.num_workers == 0 and self.background:
             batches = iter(_Background(batches, depth=2))
@@ -201,10 +203,22 @@ class DataLoader(tud.DataLoader[Any]):
         total.merge(self._worker_counters)
         return total
 
-    def report(self, data_bound_above: float = DATA_BOUND_ABOVE) -> dict[str, Any]:
-        """Wait vs step time, throughput, stage counters, and the data/compute verdict."""
-        return stall_report(
-            self.meter.stats, self.stage_counters(), data_bound_above=data_bound_above
+    def report(
+        self, window: Window = "epoch", *, data_bound_above: float = DATA_BOUND_ABOVE
+    ) -> dict[str, Any]:
+        """Wait vs step time, throughput, stage counters and the data/compute verdict, for the
+        current (or last) pass (``window="epoch"``) or since the loader was made (``"all"``).
+        A :class:`fastload.DeviceLoader` over this loader shares its meter and this report."""
+        this_pass = f"pass {self._passes}"
+        if getattr(self.sampler, "shuffle", False):  # the epoch names the order
+            this_pass += f" (epoch {getattr(self.sampler, 'epoch', '?')})"
+        return window_report(
+            self.meter,
+            self.stage_counters(),
+            self._pass_start,
+            window,
+            this_pass=this_pass,
+            data_bound_above=data_bound_above,
         )
 
     # -- checkpoints ---------------------------------------------------------------------------

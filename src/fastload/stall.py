@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -21,7 +21,16 @@ import torch
 from fastload.errors import ConfigError
 from fastload.stats import StageCounters, StepStats
 
-__all__ = ["DATA_BOUND_ABOVE", "Hook", "Meter", "batch_size_of", "diagnose", "stall_report"]
+__all__ = [
+    "DATA_BOUND_ABOVE",
+    "Hook",
+    "Meter",
+    "Window",
+    "batch_size_of",
+    "diagnose",
+    "stall_report",
+    "window_report",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,12 @@ def batch_size_of(batch: Any) -> int:
 
 
 class Meter:
-    """Times the batches a loop takes from an iterator into a :class:`StepStats`."""
+    """Times the batches a loop takes from an iterator, since the start and per pass.
+
+    One meter per loop: a :class:`fastload.DeviceLoader` over a :class:`fastload.DataLoader`
+    shares the loader's, and a pass timed inside another pass on the same meter (the loader's
+    own, under the device loader's) passes its batches through untimed.
+    """
 
     def __init__(self, hooks: Sequence[Hook] = (), log_every: int = 50) -> None:
         if log_every < 1:
@@ -57,41 +71,54 @@ class Meter:
         for hook in hooks:
             if not callable(hook):
                 raise ConfigError(f"hooks must be callables hook(metrics, step), got {hook!r}")
-        self.stats = StepStats()
+        self.stats = StepStats()  # since the meter was made
+        self.epoch = StepStats()  # the current (or last) pass
         self.hooks = tuple(hooks)
         self.log_every = log_every
         self._window = [0.0, 0.0, 0.0]  # wait, step, samples since the last hook call
+        self._waiting = False  # inside a timed next(): a pass started now is nested in it
 
     def timed(self, batches: Iterator[T]) -> Iterator[T]:
         """Yield ``batches`` unchanged, timing each wait and each step between them."""
+        if self._waiting:  # started while an outer pass on this meter waits for a batch
+            return batches
+        self.epoch = StepStats()
+        return self._timed(batches)
+
+    def _timed(self, batches: Iterator[T]) -> Iterator[T]:
         handed_out: float | None = None
         while True:
             asked = time.perf_counter()
             if handed_out is not None:
                 self._step(asked - handed_out)
+            self._waiting = True
             try:
                 batch = next(batches)
             except StopIteration:
                 return
+            finally:
+                self._waiting = False
             first = handed_out is None
             handed_out = time.perf_counter()
             self._batch(handed_out - asked, batch, first=first)
             yield batch
 
     def _batch(self, waited: float, batch: Any, *, first: bool) -> None:
-        stats = self.stats
         samples = batch_size_of(batch)
-        stats.samples += samples
-        if first:
-            stats.first_batch_s = waited
-        else:
-            stats.wait.add(waited)
-            self._window[0] += waited
+        for stats in (self.stats, self.epoch):
+            stats.samples += samples
+            if first:
+                stats.passes += 1
+                stats.first_batch_s += waited
+            else:
+                stats.wait.add(waited)
+        self._window[0] += waited
         self._window[2] += samples
 
     def _step(self, seconds: float) -> None:
-        self.stats.step.add(seconds)
-        self.stats.steps += 1
+        for stats in (self.stats, self.epoch):
+            stats.step.add(seconds)
+            stats.steps += 1
         self._window[1] += seconds
         if self.hooks and self.stats.steps % self.log_every == 0:
             self._call_hooks()
@@ -113,23 +140,35 @@ class Meter:
                 log.exception("stall hook %r failed; training goes on", hook)
 
 
+Window = Literal["epoch", "all"]
+
+
 def stall_report(
     steps: StepStats,
     counters: StageCounters | None = None,
     *,
+    window: str = "all",
     data_bound_above: float = DATA_BOUND_ABOVE,
 ) -> dict[str, Any]:
-    """Figures and a verdict: ``bound`` is "data", "compute" or "unknown" (too few steps)."""
-    busy = steps.wait.total + steps.step.total
+    """Figures and a verdict for the time ``steps`` covers (``window`` names it).
+
+    ``bound`` is "data", "compute" or "unknown" (too few steps). ``wait_share`` counts the
+    first batch of each pass (it is also reported apart, as ``first_batch_s``), so a loop that
+    mostly waited for its first batch is data-bound; ``steady_wait_share`` leaves it out.
+    """
+    elapsed = steps.elapsed_s
     report: dict[str, Any] = {
+        "window": window,
+        "passes": steps.passes,
         "steps": steps.steps,
         "samples": steps.samples,
         "first_batch_s": steps.first_batch_s,
-        "wait_s": steps.wait.total,
+        "wait_s": steps.first_batch_s + steps.wait.total,
         "step_s": steps.step.total,
         "wait_share": steps.wait_share,
-        "samples_per_s": steps.samples / busy if busy else 0.0,
-        "batches_per_s": steps.steps / busy if busy else 0.0,
+        "steady_wait_share": steps.steady_wait_share,
+        "samples_per_s": steps.samples / elapsed if elapsed else 0.0,
+        "batches_per_s": (steps.steps + steps.passes) / elapsed if elapsed else 0.0,
         "wait_p50_ms": steps.wait.percentile(50) * 1e3,
         "wait_p99_ms": steps.wait.percentile(99) * 1e3,
         "step_p50_ms": steps.step.percentile(50) * 1e3,
@@ -137,27 +176,60 @@ def stall_report(
     }
     if counters is not None:
         report.update(counters.snapshot())
-    if steps.steps < 2 or busy <= 0:
+    if steps.steps < 2 or elapsed <= 0:
         report.update(bound="unknown", cause=None, verdict="not enough steps measured yet")
         return report
-    share = steps.wait_share
+    share, where = steps.wait_share, f"{window}: "
+    first = f"{steps.first_batch_s:.2f} s" + (" in all" if steps.passes > 1 else "")
     if share <= data_bound_above:
         report.update(
             bound="compute",
             cause=None,
             verdict=(
-                f"compute-bound: the loop waited for data {share:.1%} of the time "
-                f"(p99 wait {report['wait_p99_ms']:.1f} ms); a faster data path would not help"
+                f"{where}compute-bound: the loop waited for data {share:.1%} of the time "
+                f"(first batch {first}, p99 wait {report['wait_p99_ms']:.1f} ms); a faster "
+                "data path would not help"
             ),
         )
         return report
-    cause = _cause(steps, counters)
+    if steps.steady_wait_share <= data_bound_above:  # only the first batch made it so
+        cause = (
+            f"the first batch: {first}, {steps.first_batch_s / elapsed:.0%} of the time "
+            f"(worker start-up and the first fetches; later batches waited "
+            f"{steps.steady_wait_share:.1%} of the time)"
+        )
+    else:
+        cause = _cause(steps, counters)
     report.update(
         bound="data",
         cause=cause,
-        verdict=f"data-bound: the loop waited for data {share:.1%} of the time; cause: {cause}",
+        verdict=f"{where}data-bound: the loop waited for data {share:.1%} of the time; "
+        f"cause: {cause}",
     )
     return report
+
+
+def window_report(
+    meter: Meter,
+    counters: StageCounters | None,
+    pass_start: StageCounters | None,
+    window: str,
+    *,
+    this_pass: str,
+    data_bound_above: float = DATA_BOUND_ABOVE,
+) -> dict[str, Any]:
+    """The report of ``meter`` for one window: ``"epoch"`` (the current or last pass, named
+    ``this_pass``; counters since ``pass_start``) or ``"all"`` (since the meter was made)."""
+    if not 0 < data_bound_above < 1:
+        raise ConfigError(f"data_bound_above must be in (0, 1), got {data_bound_above!r}")
+    if window == "all":
+        label = f"since start ({meter.stats.passes} passes)"
+        return stall_report(meter.stats, counters, window=label, data_bound_above=data_bound_above)
+    if window != "epoch":
+        raise ConfigError(f"report window must be 'epoch' or 'all', got {window!r}")
+    if counters is not None and pass_start is not None:
+        counters = counters.since(pass_start)
+    return stall_report(meter.epoch, counters, window=this_pass, data_bound_above=data_bound_above)
 
 
 def _cause(steps: StepStats, counters: StageCounters | None) -> str:
@@ -166,7 +238,8 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             "the loader (no stage counters: load through fastload.DataLoader and a fastload "
             "dataset for a breakdown)"
         )
-    cache, fetch, prepare = counters.cache, counters.fetch, counters.dataset.prepare
+    cache, fetch = counters.cache, counters.fetch
+    prepare, compute = counters.dataset.prepare, counters.dataset.compute
     lookups = cache.hits + cache.misses
     latency = (
         f"fetch latency p50 {fetch.latency.percentile(50) * 1e3:.0f} ms, "
@@ -179,6 +252,14 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         )
     if not lookups and fetch.objects:
         return f"fetch latency ({latency}); no cache, so every epoch fetches again"
+    if compute.count and compute.total >= _PREPARE_MATTERS * steps.wait.total:
+        missed = f"{cache.misses / lookups:.0%} of samples" if lookups else "samples"
+        return (
+            f"the wrapped dataset making missing samples ({missed} missed the cache; "
+            f"p50 {compute.percentile(50) * 1e3:.1f} ms per sample, its own reads and "
+            "preprocessing, which fastload cannot see into); warm the cache first "
+            "(fastload warm-cache) or read through fastload.RemoteDataset"
+        )
     if prepare.count and prepare.total >= _PREPARE_MATTERS * steps.wait.total:
         return (
             f"decode/transform: p50 {prepare.percentile(50) * 1e3:.1f} ms per sample; "

@@ -48,6 +48,13 @@ class Histogram:
         self.counts += other.counts
         self.total += other.total
 
+    def minus(self, earlier: Histogram) -> Histogram:
+        """What was added since ``earlier`` (a copy of this histogram taken before)."""
+        out = Histogram()
+        out.counts = self.counts - earlier.counts
+        out.total = self.total - earlier.total
+        return out
+
     @property
     def count(self) -> int:
         return int(self.counts.sum())
@@ -112,6 +119,8 @@ class DatasetStats:
     skipped: int = 0  # failed samples replaced under on_error="skip"
     skipped_keys: list[str] = field(default_factory=list)
     prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
+    # CachedDataset: the wrapped dataset making a missing sample (its own reads included)
+    compute: Histogram = field(default_factory=Histogram)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -121,6 +130,8 @@ class DatasetStats:
             "prepare_p50_ms": self.prepare.percentile(50) * 1e3,
             "prepare_p99_ms": self.prepare.percentile(99) * 1e3,
             "prepare_total_s": self.prepare.total,
+            "compute_p50_ms": self.compute.percentile(50) * 1e3,
+            "compute_total_s": self.compute.total,
         }
 
 
@@ -147,6 +158,13 @@ class StageCounters:
             reset_counters(getattr(self, name))
         return taken
 
+    def since(self, earlier: StageCounters) -> StageCounters:
+        """What was counted since ``earlier`` (a copy of these counters taken before)."""
+        out = StageCounters()
+        for name in ("dataset", "fetch", "cache"):
+            _minus(getattr(out, name), getattr(self, name), getattr(earlier, name))
+        return out
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {
             "dataset": self.dataset.snapshot(),
@@ -168,6 +186,17 @@ def merge_counters(into: Any, other: Any) -> None:
             setattr(into, f.name, mine + theirs)
 
 
+def _minus(into: Any, now: Any, earlier: Any) -> None:
+    for f in fields(into):
+        new, old = getattr(now, f.name), getattr(earlier, f.name)
+        if isinstance(new, Histogram):
+            setattr(into, f.name, new.minus(old))
+        elif isinstance(new, list):
+            setattr(into, f.name, [k for k in new if k not in old])
+        else:
+            setattr(into, f.name, new - old)
+
+
 def reset_counters(counters: Any) -> None:
     """Zero a counter dataclass in place (objects holding it keep counting into it)."""
     for f in fields(counters):
@@ -186,17 +215,31 @@ class StepStats:
     """How a training loop spent its time: waiting for batches vs working between them.
 
     ``wait`` holds the time each ``next()`` blocked; ``step`` the time from handing a batch
-    out to the next request (the training step). The first batch of each pass is kept apart
-    (``first_batch_s``): it includes worker start-up, not steady-state stalls.
+    out to the next request (the training step). The wait for the first batch of each pass is
+    kept apart (``first_batch_s``, summed over ``passes``): it holds worker start-up and the
+    first fetches, so it is reported on its own, and counted in :attr:`wait_share`.
     """
 
     steps: int = 0
     samples: int = 0
+    passes: int = 0
     first_batch_s: float = 0.0
     wait: Histogram = field(default_factory=Histogram)
     step: Histogram = field(default_factory=Histogram)
 
     @property
+    def elapsed_s(self) -> float:
+        """The loop's time: every wait (first batches included) and every step."""
+        return self.first_batch_s + self.wait.total + self.step.total
+
+    @property
     def wait_share(self) -> float:
+        """Share of the loop's time spent waiting for data, first batches included."""
+        elapsed = self.elapsed_s
+        return (self.first_batch_s + self.wait.total) / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def steady_wait_share(self) -> float:
+        """The same without the first batches: the steady state."""
         busy = self.wait.total + self.step.total
         return self.wait.total / busy if busy > 0 else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastload.device._batch import map_tensors
 from fastload.device.cuda import cuda_batches
 from fastload.device.xla import check_sharding, xla_batches, xla_device
 from fastload.errors import ConfigError
-from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, stall_report
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, Window, window_report
 from fastload.stats import StageCounters
 
 __all__ = ["DeviceLoader", "resolve_device"]
@@ -72,8 +73,15 @@ class DeviceLoader:
         )
         self.channels_last, self.dtype = channels_last, dtype
         self.data_bound_above = data_bound_above
-        self.meter = Meter(hooks, log_every)
+        shared = getattr(loader, "meter", None)
+        if isinstance(shared, Meter) and callable(getattr(loader, "report", None)):
+            self.meter = shared  # one meter per loop: a fastload.DataLoader's own
+            self.meter.hooks += Meter(hooks, log_every).hooks
+        else:
+            self.meter = Meter(hooks, log_every)
         self._delivered = 0
+        self._passes = 0
+        self._pass_start: StageCounters | None = None
 
     def __repr__(self) -> str:
         return f"DeviceLoader({self.loader!r}, device={str(self.device)!r})"
@@ -83,6 +91,8 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._delivered = 0
+        self._passes += 1
+        self._pass_start = copy.deepcopy(counters_of(self.loader))
         for batch in self.meter.timed(self._batches()):
             self._delivered += 1
             yield batch
@@ -117,10 +127,22 @@ class DeviceLoader:
         return tensor
 
     # -- metrics and checkpoints ---------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        """Wait vs step time, throughput, stage counters, and the data/compute verdict."""
-        return stall_report(
-            self.meter.stats, counters_of(self.loader), data_bound_above=self.data_bound_above
+    def report(self, window: Window = "epoch") -> dict[str, Any]:
+        """Wait vs step time, throughput, stage counters and the data/compute verdict, for the
+        current (or last) pass (``window="epoch"``) or since the start (``"all"``); over a
+        :class:`fastload.DataLoader`, the loader's own report (one meter for the loop)."""
+        if self.meter is getattr(self.loader, "meter", None):
+            report: dict[str, Any] = self.loader.report(  # type: ignore[attr-defined]
+                window, data_bound_above=self.data_bound_above
+            )
+            return report
+        return window_report(
+            self.meter,
+            counters_of(self.loader),
+            self._pass_start,
+            window,
+            this_pass=f"pass {self._passes}",
+            data_bound_above=self.data_bound_above,
         )
 
     def state_dict(self) -> dict[str, Any]:
