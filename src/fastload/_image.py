@@ -51,8 +51,8 @@ def tiff_array(data: bytes) -> np.ndarray:
             series = tif.series[0]
             array = series.asarray()
             axes = series.axes
-    except (tifffile.TiffFileError, ValueError) as exc:
-        raise DecodeError(f"not a TIFF tifffile can read ({exc})") from exc
+    except Exception as exc:  # tifffile fails on damaged files in many ways (IndexError...)
+        raise DecodeError(f"not a TIFF tifffile can read ({type(exc).__name__}: {exc})") from exc
     # samples (channels) last, wherever the file keeps them
     array = np.moveaxis(array, axes.index("S"), -1) if "S" in axes else array[..., np.newaxis]
     return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("="), copy=False))

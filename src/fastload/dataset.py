@@ -17,9 +17,12 @@ from torch.utils.data import Dataset
 
 from fastload.cache import Cache
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, DecodeError
+from fastload.errors import ConfigError, DecodeError, StoreError
 from fastload.fetch import Fetcher, Request
-from fastload.manifest import Entry, Manifest
+from fastload.manifest import Manifest
+from fastload.sources import Sample, SampleSource
+from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
+from fastload.sources.single import SingleObjects
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
 from fastload.stores._perprocess import PerProcessCache
 from fastload.transforms import decoder, fingerprint
@@ -39,25 +42,38 @@ class RemoteDataset(Dataset[Any]):
     """The objects under a URL (or in a :class:`Manifest`), decoded, transformed and cached.
 
     ``dataset[i]`` is ``transform(decode(bytes))``, or ``(sample, label)`` when the manifest
-    has labels (or ``labels=`` joins them: a mapping, CSV or JSON by key).
+    has labels (or ``labels=`` joins them).
 
-    cache: a :class:`fastload.Cache`; entries are keyed by object URL, version and the
-        fingerprints of ``decode`` and ``transform``, so a changed object or a changed
+    group_by: several objects make one sample (a regex whose first group names the group, or a
+        callable ``key -> group``); see :mod:`fastload.sources.groups`. ``decode`` then
+        receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
+        ``{"*.tiff": "tiff", "*.json": my_json}``); ``incomplete`` and ``members`` say what
+        to do with a group that lacks a member.
+    labels: a mapping or CSV/JSON file by key (or by group name; ``label_key`` and
+        ``label_field`` name its columns), a callable ``key -> label``, or ``"folders"``: the
+        name of the folder holding each object (or group), as in torchvision's ImageFolder.
+    cache: a :class:`fastload.Cache`; entries are keyed by object URL (or group), version and
+        the fingerprints of ``decode`` and ``transform``, so a changed object or a changed
         transform is fetched and computed again.
-    on_error: ``"raise"`` stops at the first object that cannot be fetched or decoded;
+    on_error: ``"raise"`` stops at the first sample that cannot be fetched or decoded;
         ``"skip"`` puts another sample of the batch in its place (batches keep their size), logs
-        the key once and lists it in :meth:`stats`.
-    limit: use only the first ``limit`` objects (a quick debug run).
+        its name once and lists it in :meth:`stats` (a group is skipped whole).
+    limit: use only the first ``limit`` samples (a quick debug run).
     """
 
     def __init__(
         self,
         source: str | Manifest,
         *,
-        decode: str | Callable[[bytes], Any],
+        decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]],
         transform: Callable[[Any], Any] | None = None,
         cache: Cache | None = None,
-        labels: Mapping[str, int | str] | str | None = None,
+        labels: LabelSource | None = None,
+        label_key: str = "key",
+        label_field: str = "label",
+        group_by: GroupRule | None = None,
+        incomplete: Incomplete = "raise",
+        members: int | Sequence[str] | None = None,
         on_error: OnError = "raise",
         limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -75,12 +91,32 @@ class RemoteDataset(Dataset[Any]):
             manifest = Manifest.build(source, storage_options=storage_options)
         else:
             raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
-        if labels is not None:
-            manifest = manifest.with_labels(labels)
-        self.manifest = manifest if limit is None else manifest[:limit]
-        if len(self.manifest) == 0:
-            raise ConfigError(f"RemoteDataset has no objects: {manifest.root}")
-        self.decode = decoder(decode)
+        self.source: SampleSource
+        self.decode: Callable[[Any], Any]
+        if group_by is None:
+            if labels is not None:
+                manifest = _labelled(manifest, labels, label_key, label_field)
+            self.manifest = manifest if limit is None else manifest[:limit]
+            self.source = SingleObjects(self.manifest)
+            if isinstance(decode, Mapping):
+                raise ConfigError("decode as a mapping of member patterns needs group_by")
+            self.decode = decoder(decode)
+        else:
+            self.manifest = manifest
+            self.source = Groups(
+                manifest,
+                group_by,
+                incomplete=incomplete,
+                members=members,
+                labels=labels,
+                label_key=label_key,
+                label_field=label_field,
+            )
+            self.decode = group_decoder(decode)
+        self._length = len(self.source) if limit is None else min(limit, len(self.source))
+        if self._length == 0:
+            raise ConfigError(f"RemoteDataset has no samples: {manifest.root}")
+        self._labelled = self.source[0].label is not None
         self.transform = transform
         self.cache = cache
         self.on_error = on_error
@@ -91,66 +127,76 @@ class RemoteDataset(Dataset[Any]):
             self.counters, self.fetcher.stats, CacheStats() if cache is None else cache.counters
         )
 
+    @property
+    def classes(self) -> tuple[str, ...] | None:
+        """Label names, when labels were strings (labels are their indices)."""
+        return self.source.classes
+
     def __len__(self) -> int:
-        return len(self.manifest)
+        return self._length
 
     def __repr__(self) -> str:
-        return f"RemoteDataset({self.manifest.root!r}, n={len(self)}, cache={self.cache!r})"
+        return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        entries = [self._entry(i) for i in indices]
-        items = self._samples(entries)
+        samples = [self._sample(i) for i in indices]
+        items = self._samples(samples)
         if any(isinstance(item, BaseException) for item in items):
             items = self._settle(list(indices), items)
         self.counters.samples += len(items)
         return items
 
-    def _entry(self, index: int) -> Entry:
+    def _sample(self, index: int) -> Sample:
         if not isinstance(index, int) or isinstance(index, bool):
             index = int(index)  # numpy and torch integers
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} samples")
-        return self.manifest[index]
+        return self.source[index % len(self)]
 
-    def _name(self, entry: Entry) -> str:
-        return Cache.name(entry.url, entry.version, self.fingerprint)
+    def _name(self, sample: Sample) -> str:
+        return Cache.name(sample.url, sample.version, self.fingerprint)
 
-    def _samples(self, entries: list[Entry]) -> list[Any]:
+    def _samples(self, samples: list[Sample]) -> list[Any]:
         """Samples (with labels) in order; a failure sits in its slot as an exception."""
         if self.cache is None:
-            samples = self._produce(entries)
+            made = self._produce(samples)
         else:
-            names = [self._name(e) for e in entries]
-            samples = self.cache.get_many(
-                names, lambda pos: self._produce([entries[p] for p in pos])
-            )
-        if self.manifest.labels is None:
-            return samples
+            names = [self._name(s) for s in samples]
+            made = self.cache.get_many(names, lambda pos: self._produce([samples[p] for p in pos]))
+        if not self._labelled:
+            return made
         return [
-            s if isinstance(s, BaseException) else (s, e.label)
-            for s, e in zip(samples, entries, strict=True)
+            m if isinstance(m, BaseException) else (m, s.label)
+            for m, s in zip(made, samples, strict=True)
         ]
 
-    def _produce(self, entries: list[Entry]) -> list[Any]:
-        requests = [Request(e.url, size=e.size) for e in entries]
+    def _produce(self, samples: list[Sample]) -> list[Any]:
+        """Fetch every part of every sample at once, then decode and transform each sample."""
+        requests = [Request(part.url, size=part.size) for s in samples for part in s.parts]
         bodies = self.fetcher.fetch(requests, return_exceptions=True)
-        return [
-            body if isinstance(body, BaseException) else self._prepare(body, entry.url)
-            for body, entry in zip(bodies, entries, strict=True)
-        ]
+        out, start = [], 0
+        for sample in samples:
+            mine = bodies[start : start + len(sample.parts)]
+            start += len(sample.parts)
+            failed = next((b for b in mine if isinstance(b, BaseException)), None)
+            if failed is not None:
+                out.append(_in_group(failed, sample) if len(sample.parts) > 1 else failed)
+            else:
+                out.append(self._prepare(self.source.payload(sample, mine), sample.url))
+        return out
 
-    def _prepare(self, body: bytes, url: str) -> Any:
+    def _prepare(self, payload: Any, url: str) -> Any:
         started = time.perf_counter()
         try:
-            sample = self.decode(body)
+            sample = self.decode(payload)
             if self.transform is not None:
                 sample = self.transform(sample)
         except Exception as exc:  # the user's code: name the object, keep the cause
             reason = f"{type(exc).__name__}: {exc}"[:300]
-            return DecodeError(f"cannot decode or transform the object ({reason})", url=url)
+            return DecodeError(f"cannot decode or transform the sample ({reason})", url=url)
         finally:
             self.counters.prepare.add(time.perf_counter() - started)
         return sample
@@ -182,7 +228,7 @@ class RemoteDataset(Dataset[Any]):
         n = len(self)
         for step in range(1, _REPLACE_ROUNDS + 1):
             candidates = [(index + step * k) % n for k in range(1, 5)]
-            items = self._samples([self.manifest[c] for c in candidates])
+            items = self._samples([self._sample(c) for c in candidates])
             for item in items:
                 if isinstance(item, BaseException):
                     self._skip(item)
@@ -198,11 +244,11 @@ class RemoteDataset(Dataset[Any]):
         """Cache ``indices`` now (one concurrent batch); the ``(url, error)`` of each failure."""
         if self.cache is None:
             raise ConfigError("RemoteDataset.warm needs a cache to fill")
-        entries = [self._entry(i) for i in indices]
-        results = self._samples(entries)
+        samples = [self._sample(i) for i in indices]
+        results = self._samples(samples)
         return [
-            (entry.url, result)
-            for entry, result in zip(entries, results, strict=True)
+            (sample.url, result)
+            for sample, result in zip(samples, results, strict=True)
             if isinstance(result, BaseException)
         ]
 
@@ -218,10 +264,10 @@ class RemoteDataset(Dataset[Any]):
         executor = _prefetchers.get(
             "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
         )
-        entries = [self._entry(i) for i in indices]
+        samples = [self._sample(i) for i in indices]
 
         def run() -> None:
-            missing = [e for e in entries if self._name(e) not in cache]
+            missing = [s for s in samples if self._name(s) not in cache]
             if missing:
                 self._samples(missing)
 
@@ -238,6 +284,35 @@ class RemoteDataset(Dataset[Any]):
         if self.cache is not None:
             out["cache"] = self.cache.stats()
         return out
+
+
+def _labelled(
+    manifest: Manifest, labels: LabelSource, label_key: str, label_field: str
+) -> Manifest:
+    """``manifest`` with labels per object: a table, a file, a callable or ``"folders"``."""
+    keys = manifest.keys()
+    if labels == "folders":
+        return manifest.with_labels({k: _parent(k) for k in keys})
+    if callable(labels) and not isinstance(labels, (str, Mapping)):
+        return manifest.with_labels({k: labels(k) for k in keys})
+    return manifest.with_labels(labels, key_field=label_key, label_field=label_field)
+
+
+def _parent(key: str) -> str:
+    return key.rsplit("/", 2)[-2] if "/" in key else ""
+
+
+def _in_group(error: BaseException, sample: Sample) -> BaseException:
+    """``error`` (a member's) as the failure of the whole group, naming group and member."""
+    member = getattr(error, "url", None) or ""
+    reason = str(error).removesuffix(f": {member}") if member else str(error)
+    message = f"group {sample.name!r}: member {member or '?'} failed ({reason})"
+    if isinstance(error, (StoreError, DecodeError)):
+        wrapped: BaseException = type(error)(message, url=sample.url)
+    else:
+        wrapped = DecodeError(message, url=sample.url)
+    wrapped.__cause__ = error
+    return wrapped
 
 
 class CachedDataset(Dataset[Any]):

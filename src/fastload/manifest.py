@@ -299,7 +299,7 @@ class Manifest(Sequence[Entry]):
         table = (
             dict(labels)
             if isinstance(labels, Mapping)
-            else _read_labels(Path(labels), key_field, label_field)
+            else read_labels(Path(labels), key_field, label_field)
         )
         prefix = self.root + "/"
         table = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in table.items()}
@@ -449,7 +449,7 @@ def _version(info: Mapping[str, Any]) -> str:
     return ""
 
 
-def _read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:
+def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -463,7 +463,18 @@ def _read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int 
                 else [{key_field: k, label_field: v} for k, v in data.items()]
             )
         else:
-            rows = csv.DictReader(io.StringIO(text))
+            reader = csv.DictReader(io.StringIO(text))
+            columns = list(reader.fieldnames or [])
+            absent = [f for f in (key_field, label_field) if f not in columns]
+            if absent:
+                raise ConfigError(
+                    f"labels file {path} has no column {absent[0]!r}; its columns are "
+                    f"{columns}: say which holds the key and which the label (e.g. "
+                    f"label_key={columns[0]!r}, label_field={columns[-1]!r})"
+                    if columns
+                    else f"labels file {path} is empty"
+                )
+            rows = reader
         table = {str(row[key_field]): row[label_field] for row in rows}
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(

@@ -1,0 +1,258 @@
+"""Several objects, one sample: the channels of a field, a DICOM series, an image and its mask.
+
+``group_by`` names each object's group: a regular expression (its first group, or the whole
+match, is the group name) or a callable ``key -> name`` (None leaves the object out). Groups
+come in sorted order, their members sorted by key; ``decode`` receives ``{member key: bytes}``,
+or decodes each member by name (``decode="tiff"``) or by pattern (``{"*.tiff": "tiff"}``).
+
+A member's *role* is its key without the group name (``_ch3.tiff`` in ``f02_ch3.tiff``). When
+most groups share one set of roles, a group that lacks one (a missing channel) or has an extra
+one is *incomplete*: ``incomplete="raise"`` (the default) names them, ``"skip"`` leaves them
+out (logged), ``"accept"`` keeps them. ``members=`` states the roles (or their number) instead.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from fastload.errors import ConfigError, DecodeError
+from fastload.manifest import Manifest, read_labels
+from fastload.sources import Part, Sample
+from fastload.transforms import decoder, fingerprint
+
+__all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
+
+log = logging.getLogger(__name__)
+
+GroupRule = str | re.Pattern[str] | Callable[[str], str | None]
+Incomplete = Literal["raise", "skip", "accept"]
+LabelSource = Mapping[str, int | str] | str | Path | Callable[[str], int | str]
+_SHOWN = 5  # names listed in a message
+
+
+class Groups:
+    """The groups of ``manifest``'s objects as samples (see the module docstring)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        group_by: GroupRule,
+        *,
+        incomplete: Incomplete = "raise",
+        members: int | Sequence[str] | None = None,
+        labels: LabelSource | None = None,
+        label_key: str = "key",
+        label_field: str = "label",
+    ) -> None:
+        if incomplete not in ("raise", "skip", "accept"):
+            raise ConfigError(f"incomplete must be 'raise', 'skip' or 'accept', got {incomplete!r}")
+        self.root = manifest.root
+        self.manifest = manifest
+        groups = _group(manifest, group_by)
+        groups = _check_complete(groups, manifest, incomplete, members)
+        self.names = sorted(groups)
+        self._members = [groups[name] for name in self.names]
+        self.classes: tuple[str, ...] | None = None
+        self._labels: list[int] | None = None
+        if labels is not None:
+            self._join_labels(labels, label_key, label_field)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> Sample:
+        name, members = self.names[index], self._members[index]
+        entries = [self.manifest[i] for i in members]
+        identity = "\0".join(f"{e.key}\0{e.version}\0{e.size}" for e in entries)
+        version = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        parts = tuple(Part(e.key, e.url, e.size) for e in entries)
+        label = None if self._labels is None else self._labels[index]
+        return Sample(name, f"{self.root}/{name}", version, parts, label)
+
+    def payload(self, sample: Sample, bodies: Sequence[bytes]) -> dict[str, bytes]:
+        return {part.key: body for part, body in zip(sample.parts, bodies, strict=True)}
+
+    def _join_labels(self, labels: LabelSource, label_key: str, label_field: str) -> None:
+        if callable(labels) and not isinstance(labels, (str, Path, Mapping)):
+            table: Mapping[str, int | str] = {name: labels(name) for name in self.names}
+        elif labels == "folders":
+            table = {name: _folder(name) for name in self.names}
+        elif isinstance(labels, Mapping):
+            table = labels
+        else:
+            table = read_labels(Path(labels), label_key, label_field)
+        prefix = self.root + "/"
+        table = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in table.items()}
+        absent = [name for name in self.names if name not in table]
+        if len(absent) == len(self.names):
+            raise ConfigError(
+                f"labels match none of the {len(self.names)} groups under {self.root} "
+                f"(groups look like {self.names[:3]}, label keys like {list(table)[:3]})"
+            )
+        if absent:
+            raise ConfigError(
+                f"{len(absent)} of {len(self.names)} groups under {self.root} have no label "
+                f"(first: {absent[:_SHOWN]})"
+            )
+        values = [table[name] for name in self.names]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            self._labels = [int(v) for v in values]
+            return
+        classes = sorted({str(v) for v in values})
+        index = {c: i for i, c in enumerate(classes)}
+        self.classes = tuple(classes)
+        self._labels = [index[str(v)] for v in values]
+
+
+def _group(manifest: Manifest, group_by: GroupRule) -> dict[str, list[int]]:
+    name_of = _namer(group_by)
+    groups: dict[str, list[int]] = {}
+    left_out: list[str] = []
+    for i, key in enumerate(manifest.keys()):
+        try:
+            name = name_of(key)
+        except Exception as exc:  # the user's callable
+            raise ConfigError(f"group_by failed on {key!r}: {type(exc).__name__}: {exc}") from exc
+        if name is None:
+            left_out.append(key)
+        elif not isinstance(name, str) or not name:
+            raise ConfigError(f"group_by gave the empty group name {name!r} for {key!r}")
+        else:
+            groups.setdefault(name, []).append(i)
+    if not groups:
+        raise ConfigError(
+            f"group_by {_describe(group_by)} matches none of the {len(manifest)} objects under "
+            f"{manifest.root} (keys look like {manifest.keys()[:3]})"
+        )
+    if len(groups) == 1 and len(manifest) > 1:
+        (name,) = groups
+        raise ConfigError(
+            f"group_by {_describe(group_by)} puts all {len(manifest) - len(left_out)} objects "
+            f"under {manifest.root} in one group, {name!r}: is the group part of the pattern "
+            "too short?"
+        )
+    if left_out:
+        log.warning(
+            "group_by %s leaves out %d of %d objects under %s (not samples): %s",
+            _describe(group_by),
+            len(left_out),
+            len(manifest),
+            manifest.root,
+            left_out[:_SHOWN],
+        )
+    return groups
+
+
+def _namer(group_by: GroupRule) -> Callable[[str], str | None]:
+    if callable(group_by) and not isinstance(group_by, (str, re.Pattern)):
+        return group_by
+    if not isinstance(group_by, (str, re.Pattern)):
+        raise ConfigError(f"group_by must be a regex or a callable, got {group_by!r}")
+    try:
+        pattern = re.compile(group_by)
+    except re.error as exc:
+        raise ConfigError(f"group_by is not a valid regular expression: {exc}") from exc
+
+    def name_of(key: str) -> str | None:
+        found = pattern.search(key)
+        if found is None:
+            return None
+        return found.group(1) if pattern.groups else found.group(0)
+
+    return name_of
+
+
+def _describe(group_by: GroupRule) -> str:
+    if isinstance(group_by, re.Pattern):
+        return repr(group_by.pattern)
+    return repr(group_by) if isinstance(group_by, str) else getattr(group_by, "__name__", "fn")
+
+
+def _role(key: str, group: str) -> str:
+    return key.replace(group, "", 1) if group in key else key.rsplit("/", 1)[-1]
+
+
+def _check_complete(
+    groups: dict[str, list[int]],
+    manifest: Manifest,
+    incomplete: Incomplete,
+    members: int | Sequence[str] | None,
+) -> dict[str, list[int]]:
+    keys = manifest.keys()
+    roles = {g: frozenset(_role(keys[i], g) for i in idx) for g, idx in groups.items()}
+    if isinstance(members, int):
+        bad = {g: f"{len(r)} members, not {members}" for g, r in roles.items() if len(r) != members}
+    else:
+        expected = frozenset(members) if members is not None else _usual(roles)
+        if expected is None:
+            return groups  # groups differ by nature (a DICOM series per volume): no rule
+        bad = {g: _difference(r, expected) for g, r in roles.items() if r != expected}
+    if not bad or incomplete == "accept":
+        return groups
+    shown = "; ".join(f"{g!r}: {why}" for g, why in sorted(bad.items())[:_SHOWN])
+    if incomplete == "raise":
+        raise ConfigError(
+            f"{len(bad)} of {len(groups)} groups under {manifest.root} are incomplete ({shown}); "
+            "pass incomplete='skip' to leave them out or 'accept' to keep them"
+        )
+    log.warning("leaving out %d incomplete groups under %s: %s", len(bad), manifest.root, shown)
+    return {g: idx for g, idx in groups.items() if g not in bad}
+
+
+def _usual(roles: dict[str, frozenset[str]]) -> frozenset[str] | None:
+    """The set of roles most groups have, when most do (else None: no rule to check)."""
+    ((common, count),) = Counter(roles.values()).most_common(1)
+    return common if count * 2 > len(roles) else None
+
+
+def _difference(have: frozenset[str], expected: frozenset[str]) -> str:
+    missing, extra = sorted(expected - have), sorted(have - expected)
+    parts = ([f"missing {missing}"] if missing else []) + ([f"extra {extra}"] if extra else [])
+    return ", ".join(parts)
+
+
+def _folder(name: str) -> str:
+    parent = name.rsplit("/", 1)[0] if "/" in name else ""
+    return parent.rsplit("/", 1)[-1]
+
+
+def group_decoder(
+    decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]],
+) -> Callable[[dict[str, bytes]], Any]:
+    """What a group's ``decode`` becomes: a callable receives ``{member key: bytes}``; a
+    decoder name decodes every member; a mapping ``{pattern: decoder}`` decodes each member
+    by the first pattern (fnmatch) its key matches. Member decoders give ``{key: value}``."""
+    if callable(decode):
+        return decode
+    if isinstance(decode, str):
+        rules = [("*", decoder(decode))]
+    elif isinstance(decode, Mapping):
+        rules = [(pattern, decoder(d)) for pattern, d in decode.items()]
+    else:
+        raise ConfigError(f"decode must be a name, a callable or a mapping, got {decode!r}")
+    return _MemberDecoder(rules)
+
+
+class _MemberDecoder:
+    def __init__(self, rules: list[tuple[str, Callable[[bytes], Any]]]) -> None:
+        self.rules = rules
+        self.fingerprint = "members:" + ",".join(f"{p}={fingerprint(d)}" for p, d in rules)
+
+    def __call__(self, members: dict[str, bytes]) -> dict[str, Any]:
+        out = {}
+        for key, body in members.items():
+            decode = next((d for p, d in self.rules if fnmatch.fnmatchcase(key, p)), None)
+            if decode is None:
+                raise ConfigError(f"no decoder pattern matches the member {key!r}")
+            try:
+                out[key] = decode(body)
+            except Exception as exc:
+                raise DecodeError(f"member {key!r}: {type(exc).__name__}: {exc}"[:300]) from exc
+        return out

@@ -1,0 +1,215 @@
+"""Samples made of several objects (group_by) against SeaweedFS, fake-gcs-server and B2."""
+
+from __future__ import annotations
+
+import io
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+import fastload
+from fastload import Cache, ConfigError, ObjectNotFoundError, RemoteDataset
+from fastload.stores import filesystem
+from fastload.testing import B2Server, FakeGcsServer, S3Server
+from tests.conftest import BUCKET
+
+CHANNELS = 5
+FIELDS = [f"plate1/{well}/f{f}" for well in ("A01", "A02", "B01") for f in range(1, 5)]
+CHANNEL_RE = r"(.*)_ch\d\.tiff$"
+
+
+def tiff(value: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    tifffile.imwrite(out, value)
+    return out.getvalue()
+
+
+def channel(field: str, c: int) -> np.ndarray:
+    """A 16-bit channel image whose pixels say which field and channel it is."""
+    base = FIELDS.index(field) * 1000 + c * 100 + 40_000  # above 8 bits on purpose
+    return np.full((24, 20), base, np.uint16) + np.arange(20, dtype=np.uint16)
+
+
+def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
+    fs = filesystem(root, options)
+    base = fs._strip_protocol(root)
+    fs.pipe({f"{base}/{key}": body for key, body in objects.items()})
+
+
+def cell_painting(root: str, options: dict[str, Any]) -> dict[str, bytes]:
+    objects = {
+        f"{field}_ch{c}.tiff": tiff(channel(field, c))
+        for field in FIELDS
+        for c in range(1, CHANNELS + 1)
+    }
+    objects["plate1/metadata.csv"] = b"plate,wells\nplate1,3\n"  # not a sample
+    write(root, options, objects)
+    return objects
+
+
+@pytest.fixture(params=["s3", "gcs", "b2"])
+def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    server: S3Server | FakeGcsServer | B2Server
+    scheme, server = {
+        "s3": ("s3", request.getfixturevalue("seaweed")),
+        "gcs": ("gs", request.getfixturevalue("gcs")),
+        "b2": ("b2", request.getfixturevalue("b2")),
+    }[request.param]
+    return f"{scheme}://{BUCKET}/groups-{uuid.uuid4().hex[:8]}", server.storage_options()
+
+
+def test_channels_of_a_field_are_one_sample(
+    store: tuple[str, dict[str, Any]], tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, options = store
+    cell_painting(root, options)
+    with caplog.at_level(logging.WARNING):
+        dataset = RemoteDataset(
+            root,
+            group_by=CHANNEL_RE,
+            decode="tiff",
+            labels="folders",  # the well, as ImageFolder would
+            cache=Cache(tmp_path, format="npy"),
+            storage_options=options,
+        )
+    assert "metadata.csv" in caplog.text  # left out, and said so
+    assert len(dataset) == len(FIELDS) and dataset.classes == ("A01", "A02", "B01")
+    sample, label = dataset[5]
+    field = FIELDS[5]
+    assert list(sample) == [f"{field}_ch{c}.tiff" for c in range(1, CHANNELS + 1)]
+    for c in range(1, CHANNELS + 1):
+        got = sample[f"{field}_ch{c}.tiff"]
+        assert got.dtype == np.uint16 and np.array_equal(got[..., 0], channel(field, c))
+    assert label == 1  # A02
+    # a batch fetches all members of all its samples at once, then never again
+    before = dataset.fetcher.stats.objects
+    batch = dataset.__getitems__([0, 1, 2, 3])
+    assert len(batch) == 4 and dataset.fetcher.stats.objects - before == 4 * CHANNELS
+    loader = fastload.DataLoader(
+        dataset, batch_size=4, shuffle=True, num_workers=0, collate_fn=lambda b: b
+    )
+    labels = sorted(label for batch in loader for _, label in batch)
+    assert labels == sorted(FIELDS.index(f) // 4 for f in FIELDS)  # each field once
+    requests = dataset.fetcher.stats.requests
+    assert sum(len(b) for b in loader) == len(FIELDS)  # a warm epoch: all from the cache
+    assert dataset.fetcher.stats.requests == requests
+
+
+def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> None:
+    root = f"s3://{BUCKET}/incomplete-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    fs = filesystem(root, options)
+    fs.rm_file(f"{fs._strip_protocol(root)}/{FIELDS[2]}_ch3.tiff")
+    with pytest.raises(ConfigError, match=r"1 of 12 groups .* incomplete.*A01/f3.*_ch3\.tiff"):
+        RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+    skipped = RemoteDataset(
+        root, group_by=CHANNEL_RE, decode="tiff", incomplete="skip", storage_options=options
+    )
+    assert len(skipped) == len(FIELDS) - 1
+    kept = RemoteDataset(
+        root, group_by=CHANNEL_RE, decode="tiff", incomplete="accept", storage_options=options
+    )
+    assert len(kept) == len(FIELDS) and len(kept[2]) == CHANNELS - 1
+    with pytest.raises(ConfigError, match="4 members, not 5"):
+        RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", members=5, storage_options=options)
+
+
+def test_a_broken_member_skips_its_whole_group_by_name(b2: B2Server, tmp_path: Any) -> None:
+    root = f"b2://{BUCKET}/broken-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+    cell_painting(root, options)
+    write(root, options, {f"{FIELDS[7]}_ch2.tiff": b"II*\x00 truncated"})
+    strict = RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+    with pytest.raises(fastload.DecodeError, match=r"A02/f4_ch2\.tiff") as info:
+        strict[7]
+    assert info.value.url == f"{root}/{FIELDS[7]}"  # the group, named by its URL
+    lenient = RemoteDataset(
+        root,
+        group_by=CHANNEL_RE,
+        decode="tiff",
+        on_error="skip",
+        cache=Cache(tmp_path),
+        storage_options=options,
+    )
+    batch = lenient.__getitems__(list(range(len(FIELDS))))
+    assert len(batch) == len(FIELDS)  # the batch keeps its size
+    assert lenient.stats()["skipped_keys"] == [f"{root}/{FIELDS[7]}"]
+    # a member that disappears after listing: the group fails as not found, naming both
+    fs = filesystem(root, options)
+    fs.rm_file(f"{fs._strip_protocol(root)}/{FIELDS[0]}_ch1.tiff")
+    fresh = RemoteDataset(
+        strict.manifest, group_by=CHANNEL_RE, decode="tiff", storage_options=options
+    )
+    with pytest.raises(ObjectNotFoundError, match=r"group 'plate1/A01/f1': member .*_ch1\.tiff"):
+        fresh[0]
+
+
+def test_dicom_like_series_with_labels_per_participant(gcs: FakeGcsServer, tmp_path: Any) -> None:
+    root = f"gs://{BUCKET}/oct-{uuid.uuid4().hex[:8]}"
+    options = gcs.storage_options()
+    slices = {"sub-01": 7, "sub-02": 5, "sub-03": 9}  # series differ in length by nature
+    write(
+        root,
+        options,
+        {
+            f"{sub}/ses-1/slice_{i:03d}.npy": np.full(3, i, np.int16).tobytes()
+            for sub, n in slices.items()
+            for i in range(n)
+        },
+    )
+    table = tmp_path / "participants.csv"
+    table.write_text("participant_id,diagnosis\nsub-01,AMD\nsub-02,healthy\nsub-03,AMD\n")
+
+    def volume(members: dict[str, bytes]) -> torch.Tensor:
+        return torch.stack(
+            [torch.frombuffer(bytearray(b), dtype=torch.int16) for b in members.values()]
+        )
+
+    def by_participant(key: str) -> str:
+        return key.split("/", maxsplit=1)[0]
+
+    with pytest.raises(ConfigError, match=r"no column 'key'.*participant_id"):
+        RemoteDataset(
+            root, group_by=by_participant, decode=volume, labels=str(table), storage_options=options
+        )
+    dataset = RemoteDataset(
+        root,
+        group_by=by_participant,
+        decode=volume,
+        labels=str(table),
+        label_key="participant_id",
+        label_field="diagnosis",
+        storage_options=options,
+    )
+    assert dataset.classes == ("AMD", "healthy")
+    shapes = [tuple(dataset[i][0].shape) for i in range(3)]
+    assert shapes == [(7, 3), (5, 3), (9, 3)] and [dataset[i][1] for i in range(3)] == [0, 1, 0]
+    assert dataset[2][0][:, 0].tolist() == list(range(9))  # slices in key order
+    with pytest.raises(ConfigError, match="labels match none of the 3 groups"):
+        RemoteDataset(
+            root,
+            group_by=by_participant,
+            decode=volume,
+            labels={"patient-9": 1},
+            storage_options=options,
+        )
+
+
+def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
+    root = f"s3://{BUCKET}/rules-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    with pytest.raises(ConfigError, match="matches none of the 61 objects"):
+        RemoteDataset(root, group_by=r"(.*)\.png$", decode="tiff", storage_options=options)
+    with pytest.raises(ConfigError, match=r"puts all 61 objects .* in one group, 'plate1'"):
+        RemoteDataset(root, group_by=r"^(plate1)", decode="tiff", storage_options=options)
+    with pytest.raises(ConfigError, match="not a valid regular expression"):
+        RemoteDataset(root, group_by=r"(unclosed", decode="tiff", storage_options=options)
+    with pytest.raises(ConfigError, match="empty group name"):
+        RemoteDataset(root, group_by=lambda k: "", decode="tiff", storage_options=options)
