@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -213,3 +215,62 @@ def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
         RemoteDataset(root, group_by=r"(unclosed", decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match="empty group name"):
         RemoteDataset(root, group_by=lambda k: "", decode="tiff", storage_options=options)
+
+
+def test_warm_cache_cli_with_groups_then_training_reads_only_the_cache(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/cli-groups-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    args = ["warm-cache", root, "--cache-dir", str(tmp_path / "c"), "--format", "npy"]
+    args += ["--group-by", CHANNEL_RE, "--decode", "tiff", "--json", *options_args(options)]
+    for shard in ("0/2", "1/2"):
+        done = cli(*args, "--shard", shard)
+        assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["failures"] == {} and summary["samples"] == len(FIELDS) // 2
+    again = cli(*args)
+    assert json.loads(again.stdout)["hits"] == len(FIELDS)  # both shards cached everything
+    dataset = RemoteDataset(
+        root,
+        group_by=CHANNEL_RE,
+        decode="tiff",
+        cache=Cache(tmp_path / "c", format="npy"),
+        storage_options=options,
+    )
+    assert len(list(fastload.DataLoader(dataset, batch_size=3, collate_fn=list))) == 4
+    assert dataset.fetcher.stats.requests == 0
+
+
+def test_warm_cache_cli_warms_a_cached_dataset_from_a_module_beside_the_user(
+    tmp_path: Any,
+) -> None:
+    import subprocess
+
+    (tmp_path / "my_data.py").write_text(
+        "import torch, fastload\n"
+        "class Squares(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 30\n"
+        "    def __getitem__(self, i): return torch.full((3,), float(i * i))\n"
+        "def make():\n"
+        f"    return fastload.CachedDataset(Squares(), fastload.Cache({str(tmp_path / 'c')!r}))\n"
+    )
+    from tests.test_cli import SCRIPT
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [SCRIPT, "warm-cache", "--dataset", "my_data:make", "--json"],
+        cwd=tmp_path,  # the module lies here, and is not on PYTHONPATH
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["samples"] == 30
+    assert len(Cache(tmp_path / "c")) == 30

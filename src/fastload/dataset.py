@@ -13,11 +13,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
-from torch.utils.data import Dataset
+import numpy as np
+from torch.utils.data import Dataset, get_worker_info
 
 from fastload.cache import Cache
+from fastload.cache._tree import flatten
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, DecodeError, StoreError
+from fastload.errors import ConfigError, DecodeError, StoreError, UnsupportedSampleError
 from fastload.fetch import Fetcher, Request
 from fastload.manifest import Manifest
 from fastload.sources import Sample, SampleSource
@@ -38,7 +40,139 @@ PREFETCH_BATCHES = 4
 _prefetchers: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
 
 
-class RemoteDataset(Dataset[Any]):
+class _Batched(Dataset[Any]):
+    """What both datasets share: a batch of indices in, its samples out; ``on_error``,
+    ``augment``, ``limit``, ``warm``, ``prefetch`` (the loader's lookahead) and the counters.
+
+    A subclass makes the samples of a batch (:meth:`_items`: a failure sits in its slot as an
+    exception) and names them (:meth:`_cache_name` for the cache, :meth:`_display` in reports).
+    """
+
+    cache: Cache | None
+    on_error: OnError
+    augment: Callable[[Any], Any] | None
+    counters: DatasetStats
+    _stages: StageCounters
+    _length: int
+    _labelled: bool = False
+
+    def _items(self, indices: list[int]) -> list[Any]:
+        raise NotImplementedError
+
+    def _cache_name(self, index: int) -> str:
+        raise NotImplementedError
+
+    def _display(self, index: int) -> str:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        positions = [self._index(i) for i in indices]
+        items = self._items(positions)
+        if any(isinstance(item, BaseException) for item in items):
+            items = self._settle(positions, items)
+        self.counters.samples += len(items)
+        return items if self.augment is None else [self._augmented(item) for item in items]
+
+    def _augmented(self, item: Any) -> Any:
+        augment = self.augment
+        assert augment is not None
+        if self._labelled:
+            sample, label = item
+            return augment(sample), label
+        return augment(item)
+
+    def _index(self, index: int) -> int:
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = int(index)  # numpy and torch integers
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} samples")
+        return index % len(self)
+
+    def _settle(self, indices: list[int], items: list[Any]) -> list[Any]:
+        """Raise the first failure, or (on_error="skip") put stand-ins in the failed slots."""
+        failed = [i for i, item in enumerate(items) if isinstance(item, BaseException)]
+        if self.on_error == "raise":
+            raise items[failed[0]]
+        for i in failed:
+            self._skip(items[i])
+        good = [item for item in items if not isinstance(item, BaseException)]
+        if not good:
+            good = self._stand_ins(indices[0])
+        return [
+            good[i % len(good)] if isinstance(item, BaseException) else item
+            for i, item in enumerate(items)
+        ]
+
+    def _skip(self, error: BaseException) -> None:
+        key = str(getattr(error, "url", "") or error)
+        self.counters.skipped += 1
+        if key not in self.counters.skipped_keys:
+            self.counters.skipped_keys.append(key)
+            log.warning("skipping a sample (on_error='skip'): %s", error)
+
+    def _stand_ins(self, index: int) -> list[Any]:
+        """Samples after ``index`` for a batch in which every sample failed."""
+        n = len(self)
+        for step in range(1, _REPLACE_ROUNDS + 1):
+            candidates = [(index + step * k) % n for k in range(1, 5)]
+            items = self._items(candidates)
+            for item in items:
+                if isinstance(item, BaseException):
+                    self._skip(item)
+            good = [item for item in items if not isinstance(item, BaseException)]
+            if good:
+                return good
+        raise ConfigError(
+            f"on_error='skip' found no readable sample near index {index} after "
+            f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.skipped_keys[:5]}"
+        )
+
+    def warm(self, indices: Sequence[int]) -> list[tuple[str, BaseException]]:
+        """Cache ``indices`` now (one concurrent batch); the ``(name, error)`` of each failure
+        (nothing is raised or skipped: ``fastload warm-cache`` reports them)."""
+        if self.cache is None:
+            raise ConfigError(f"{type(self).__name__}.warm needs a cache to fill")
+        positions = [self._index(i) for i in indices]
+        results = self._items(positions)
+        return [
+            (self._display(i), result)
+            for i, result in zip(positions, results, strict=True)
+            if isinstance(result, BaseException)
+        ]
+
+    def prefetch(self, indices: Sequence[int]) -> Future[None]:
+        """Make and cache ``indices`` in the background (needs a cache); later reads hit.
+        Entries already in the cache are skipped (one stat each).
+
+        A loader that knows the sampler's order calls this for the batches ahead.
+        """
+        if self.cache is None:
+            raise ConfigError(f"{type(self).__name__}.prefetch needs a cache to keep its work")
+        cache = self.cache
+        executor = _prefetchers.get(
+            "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
+        )
+        positions = [self._index(i) for i in indices]
+
+        def run() -> None:
+            missing = [i for i in positions if self._cache_name(i) not in cache]
+            if missing:
+                self._items(missing)
+
+        return executor.submit(run)
+
+    def stage_counters(self) -> StageCounters:
+        """This process's live counters (what :mod:`fastload.stall` reports from)."""
+        return self._stages
+
+
+class RemoteDataset(_Batched):
     """The objects under a URL (or in a :class:`Manifest`), decoded, transformed and cached.
 
     ``dataset[i]`` is ``transform(decode(bytes))``, or ``(sample, label)`` when the manifest
@@ -49,6 +183,8 @@ class RemoteDataset(Dataset[Any]):
         receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
         ``{"*.tiff": "tiff", "*.json": my_json}``); ``incomplete`` and ``members`` say what
         to do with a group that lacks a member.
+    transform: deterministic preprocessing, cached with the sample.
+    augment: random augmentation applied after the cache on every read (never cached).
     labels: a mapping or CSV/JSON file by key (or by group name; ``label_key`` and
         ``label_field`` name its columns), a callable ``key -> label``, or ``"folders"``: the
         name of the folder holding each object (or group), as in torchvision's ImageFolder.
@@ -67,6 +203,7 @@ class RemoteDataset(Dataset[Any]):
         *,
         decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]],
         transform: Callable[[Any], Any] | None = None,
+        augment: Callable[[Any], Any] | None = None,
         cache: Cache | None = None,
         labels: LabelSource | None = None,
         label_key: str = "key",
@@ -118,6 +255,7 @@ class RemoteDataset(Dataset[Any]):
             raise ConfigError(f"RemoteDataset has no samples: {manifest.root}")
         self._labelled = self.source[0].label is not None
         self.transform = transform
+        self.augment = augment
         self.cache = cache
         self.on_error = on_error
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
@@ -132,29 +270,23 @@ class RemoteDataset(Dataset[Any]):
         """Label names, when labels were strings (labels are their indices)."""
         return self.source.classes
 
-    def __len__(self) -> int:
-        return self._length
-
     def __repr__(self) -> str:
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
-    def __getitem__(self, index: int) -> Any:
-        return self.__getitems__([index])[0]
+    def _items(self, indices: list[int]) -> list[Any]:
+        return self._samples([self.source[i] for i in indices])
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        samples = [self._sample(i) for i in indices]
-        items = self._samples(samples)
-        if any(isinstance(item, BaseException) for item in items):
-            items = self._settle(list(indices), items)
-        self.counters.samples += len(items)
-        return items
+    def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
+        """The bytes the samples at ``indices`` read from the store (all their parts)."""
+        if isinstance(self.source, SingleObjects):
+            return int(self.manifest.sizes[np.asarray(indices, dtype=np.int64)].sum())
+        return sum(part.size for i in indices for part in self.source[int(i)].parts)
 
-    def _sample(self, index: int) -> Sample:
-        if not isinstance(index, int) or isinstance(index, bool):
-            index = int(index)  # numpy and torch integers
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} is out of range for {len(self)} samples")
-        return self.source[index % len(self)]
+    def _cache_name(self, index: int) -> str:
+        return self._name(self.source[index])
+
+    def _display(self, index: int) -> str:
+        return self.source[index].url
 
     def _name(self, sample: Sample) -> str:
         return Cache.name(sample.url, sample.version, self.fingerprint)
@@ -201,82 +333,6 @@ class RemoteDataset(Dataset[Any]):
             self.counters.prepare.add(time.perf_counter() - started)
         return sample
 
-    def _settle(self, indices: list[int], items: list[Any]) -> list[Any]:
-        """Raise the first failure, or (on_error="skip") put stand-ins in the failed slots."""
-        failed = [i for i, item in enumerate(items) if isinstance(item, BaseException)]
-        if self.on_error == "raise":
-            raise items[failed[0]]
-        for i in failed:
-            self._skip(items[i])
-        good = [item for item in items if not isinstance(item, BaseException)]
-        if not good:
-            good = self._stand_ins(indices[0])
-        return [
-            good[i % len(good)] if isinstance(item, BaseException) else item
-            for i, item in enumerate(items)
-        ]
-
-    def _skip(self, error: BaseException) -> None:
-        key = str(getattr(error, "url", "") or error)
-        self.counters.skipped += 1
-        if key not in self.counters.skipped_keys:
-            self.counters.skipped_keys.append(key)
-            log.warning("skipping a sample (on_error='skip'): %s", error)
-
-    def _stand_ins(self, index: int) -> list[Any]:
-        """Samples after ``index`` for a batch in which every sample failed."""
-        n = len(self)
-        for step in range(1, _REPLACE_ROUNDS + 1):
-            candidates = [(index + step * k) % n for k in range(1, 5)]
-            items = self._samples([self._sample(c) for c in candidates])
-            for item in items:
-                if isinstance(item, BaseException):
-                    self._skip(item)
-            good = [item for item in items if not isinstance(item, BaseException)]
-            if good:
-                return good
-        raise ConfigError(
-            f"on_error='skip' found no readable sample near index {index} after "
-            f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.skipped_keys[:5]}"
-        )
-
-    def warm(self, indices: Sequence[int]) -> list[tuple[str, BaseException]]:
-        """Cache ``indices`` now (one concurrent batch); the ``(url, error)`` of each failure."""
-        if self.cache is None:
-            raise ConfigError("RemoteDataset.warm needs a cache to fill")
-        samples = [self._sample(i) for i in indices]
-        results = self._samples(samples)
-        return [
-            (sample.url, result)
-            for sample, result in zip(samples, results, strict=True)
-            if isinstance(result, BaseException)
-        ]
-
-    def prefetch(self, indices: Sequence[int]) -> Future[None]:
-        """Fetch and cache ``indices`` in the background (needs a cache); later reads hit.
-        Entries already in the cache are skipped (one stat each).
-
-        A loader that knows the sampler's order calls this for the batches ahead.
-        """
-        if self.cache is None:
-            raise ConfigError("RemoteDataset.prefetch needs a cache to keep what it fetches")
-        cache = self.cache
-        executor = _prefetchers.get(
-            "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
-        )
-        samples = [self._sample(i) for i in indices]
-
-        def run() -> None:
-            missing = [s for s in samples if self._name(s) not in cache]
-            if missing:
-                self._samples(missing)
-
-        return executor.submit(run)
-
-    def stage_counters(self) -> StageCounters:
-        """This process's live counters (what :mod:`fastload.stall` reports from)."""
-        return self._stages
-
     def stats(self) -> dict[str, Any]:
         """This process's counters: samples, skips, preprocessing time, fetch and cache."""
         out: dict[str, Any] = self.counters.snapshot()
@@ -315,14 +371,28 @@ def _in_group(error: BaseException, sample: Sample) -> BaseException:
     return wrapped
 
 
-class CachedDataset(Dataset[Any]):
+class CachedDataset(_Batched):
     """Any map-style dataset whose samples are computed once, then served from ``cache``.
+
+    The misses of a batch are computed together, through the wrapped dataset's
+    ``__getitems__`` when it has one; a :class:`fastload.DataLoader` computes the batches
+    ahead (``lookahead``) in the background, and ``fastload warm-cache --dataset module:attr``
+    fills the cache before training.
 
     key: ``key(index)`` names a sample (default: its index). Give one when the order of the
         wrapped dataset can change between runs (e.g. ``lambda i: files[i]``).
     version: bump it when the wrapped dataset's output changes; by default its class name and
         a hash of its ``__getitem__`` code are used (edits to what that calls are not seen).
+    augment: random augmentation applied after the cache on every read. The wrapped dataset
+        must be deterministic: its first computed sample is computed a second time (once per
+        run: main process or worker 0) and a difference is warned about, since the cache would
+        keep one random draw forever.
+    on_error: ``"raise"`` or ``"skip"`` (a sample the wrapped dataset fails on is replaced by
+        another of its batch, named by its key, and never cached).
+    limit: only the first ``limit`` samples.
     """
+
+    cache: Cache
 
     def __init__(
         self,
@@ -331,6 +401,9 @@ class CachedDataset(Dataset[Any]):
         *,
         key: Callable[[int], str] | None = None,
         version: str | None = None,
+        augment: Callable[[Any], Any] | None = None,
+        on_error: OnError = "raise",
+        limit: int | None = None,
     ) -> None:
         if not isinstance(cache, Cache):
             raise ConfigError(f"CachedDataset cache must be a fastload.Cache, got {cache!r}")
@@ -339,46 +412,114 @@ class CachedDataset(Dataset[Any]):
                 "CachedDataset wraps a map-style dataset (with __getitem__ and __len__), "
                 f"got {dataset!r}"
             )
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"CachedDataset on_error must be 'raise' or 'skip', got {on_error!r}")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ConfigError(f"CachedDataset limit must be None or an int >= 1, got {limit!r}")
         self.dataset = dataset
         self.cache = cache
         self.key = key
+        self.augment = augment
+        self.on_error = on_error
+        size = len(dataset)
+        self._length = size if limit is None else min(limit, size)
         self.counters = DatasetStats()
         self._stages = StageCounters(self.counters, FetchStats(), cache.counters)
+        self._checked_random = False
         kind = type(dataset)
         self.fingerprint = (
             version or f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}"
         )
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, {self.cache!r})"
 
-    def __getitem__(self, index: int) -> Any:
-        return self.__getitems__([index])[0]
+    def _items(self, indices: list[int]) -> list[Any]:
+        names = [self._cache_name(i) for i in indices]
+        return self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        names = [Cache.name(self._name(i), "", self.fingerprint) for i in indices]
-        items = self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
-        self.counters.samples += len(items)
-        return items
+    def _cache_name(self, index: int) -> str:
+        return Cache.name(self._display(index), "", self.fingerprint)
 
-    def _name(self, index: int) -> str:
+    def _display(self, index: int) -> str:
         return self.key(index) if self.key is not None else f"index:{int(index)}"
 
     def _compute(self, indices: list[int]) -> list[Any]:
         started = time.perf_counter()
-        many = getattr(self.dataset, "__getitems__", None)
-        items = list(many(indices)) if many is not None else [self.dataset[i] for i in indices]
+        items = self._made(indices)
         each = (time.perf_counter() - started) / max(1, len(items))
         for _ in items:
             self.counters.compute.add(each)  # the wrapped dataset's time, its reads included
+        if not self._checked_random:
+            self._checked_random = True
+            info = get_worker_info()
+            if info is None or info.id == 0:  # one extra computation per run, not per worker
+                self._warn_if_random(indices, items)
         return items
 
-    def stage_counters(self) -> StageCounters:
-        """This process's live counters (what :mod:`fastload.stall` reports from)."""
-        return self._stages
+    def _made(self, indices: list[int]) -> list[Any]:
+        """The wrapped dataset's samples; one it fails on is a DecodeError in its slot."""
+        many = getattr(self.dataset, "__getitems__", None)
+        try:
+            return list(many(indices)) if many is not None else [self.dataset[i] for i in indices]
+        except Exception:
+            if len(indices) == 1 and many is None:
+                return [self._failure(indices[0])]
+        return [self._one(i) for i in indices]  # find which ones fail
+
+    def _one(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception:
+            return self._failure(index)
+
+    def _failure(self, index: int) -> DecodeError:
+        try:
+            self.dataset[index]
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            error = DecodeError(f"the wrapped dataset failed ({reason})", url=self._display(index))
+            error.__cause__ = exc
+            return error
+        return DecodeError("the wrapped dataset failed once", url=self._display(index))
+
+    def _warn_if_random(self, indices: list[int], items: list[Any]) -> None:
+        first = next(
+            (
+                i
+                for i, item in zip(indices, items, strict=True)
+                if not isinstance(item, BaseException)
+            ),
+            None,
+        )
+        if first is None:
+            return
+        again = self.dataset[first]
+        if not _same(items[indices.index(first)], again):
+            log.warning(
+                "CachedDataset: %r gave two different samples for %s: its output is random, "
+                "and the cache would keep one draw forever. Move the random part to augment= "
+                "(applied after the cache on every read).",
+                self.dataset,
+                self._display(first),
+            )
 
     def stats(self) -> dict[str, Any]:
-        return {"cache": self.cache.stats()}
+        out: dict[str, Any] = self.counters.snapshot()
+        out["cache"] = self.cache.stats()
+        return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two samples are equal, leaf by leaf (tensors, arrays, nested containers)."""
+    try:
+        spec_a, leaves_a = flatten(a)
+        spec_b, leaves_b = flatten(b)
+    except UnsupportedSampleError:
+        return True  # the cache refuses such samples anyway
+    if spec_a != spec_b or len(leaves_a) != len(leaves_b):
+        return False
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )

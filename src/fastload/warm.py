@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.dataset import RemoteDataset
+from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError
 from fastload.sampler import PermutationSampler
 
@@ -61,26 +61,28 @@ def warm_order(n: int, *, shard: tuple[int, int] = (0, 1), seed: int | None = No
 
 
 def warm_cache(
-    dataset: RemoteDataset,
+    dataset: RemoteDataset | CachedDataset,
     indices: Sequence[int] | np.ndarray,
     *,
     batch_size: int = 64,
     threads: int = 4,
     on_progress: Callable[[WarmReport], None] | None = None,
 ) -> WarmReport:
-    """Cache ``dataset[i]`` for each index, ``threads`` batches at a time.
+    """Cache ``dataset[i]`` for each index, ``threads`` batches at a time (a
+    :class:`fastload.RemoteDataset` of any sample shape, or a :class:`fastload.CachedDataset`).
 
     Failures are recorded, not raised. Ctrl-C stops after the batches in flight are stored and
     returns the report with ``interrupted=True``.
     """
     if dataset.cache is None:
-        raise ConfigError("warm_cache needs a RemoteDataset with a cache")
+        raise ConfigError("warm_cache needs a dataset with a cache")
     if batch_size < 1 or threads < 1:
         raise ConfigError(
             f"warm_cache needs batch_size and threads >= 1, got {batch_size}, {threads}"
         )
     report = WarmReport()
-    fetch, cache = dataset.fetcher.stats, dataset.cache.counters
+    counters = dataset.stage_counters()
+    fetch, cache = counters.fetch, counters.cache
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
     started = time.perf_counter()
     batches = [

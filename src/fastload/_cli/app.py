@@ -16,13 +16,14 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.utils.data import Dataset
 
 import fastload
 from fastload import __version__
 from fastload.cache import Cache
 from fastload.cache.formats import FORMATS
 from fastload.cache.store import CacheFormat
-from fastload.dataset import RemoteDataset
+from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest
 from fastload.stores import parse_url
@@ -144,6 +145,8 @@ def load_object(spec: str, what: str) -> Any:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"--{what} must be module:attr, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: modules beside the user
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
@@ -152,8 +155,13 @@ def load_object(spec: str, what: str) -> Any:
         ) from exc
 
 
-def _decoder(spec: str) -> Callable[[bytes], Any]:
-    return load_object(spec, "decode") if ":" in spec else decoder(spec)
+def _decoder(spec: str) -> str | Callable[[Any], Any]:
+    """A decoder's name (checked; with --group-by it decodes each member) or module:attr."""
+    if ":" in spec:
+        loaded: Callable[[Any], Any] = load_object(spec, "decode")
+        return loaded
+    decoder(spec)
+    return spec
 
 
 def _emit(result: dict[str, Any], as_json: bool, human: Callable[[], None]) -> None:
@@ -169,9 +177,26 @@ def _emit(result: dict[str, Any], as_json: bool, human: Callable[[], None]) -> N
 @app.command("warm-cache")
 def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     source: Annotated[
-        str, typer.Argument(help="URL of the objects (s3://, gs://, b2://, file://).")
-    ],
-    cache_dir: Annotated[Path, typer.Option("--cache-dir", "-c", help="The cache directory.")],
+        str | None,
+        typer.Argument(help="URL of the objects (s3://, gs://, b2://, file://)."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option("--cache-dir", "-c", help="The cache directory.")
+    ] = None,
+    dataset_factory: Annotated[
+        str | None,
+        typer.Option(
+            "--dataset",
+            help="module:attr making the dataset to warm (a CachedDataset or RemoteDataset "
+            "with its own cache), instead of SOURCE and --cache-dir.",
+        ),
+    ] = None,
+    group_by: Annotated[
+        str | None, typer.Option(help="Regex whose first group names a sample's group.")
+    ] = None,
+    incomplete: Annotated[
+        str, typer.Option(help="Groups missing a member: raise, skip or accept.")
+    ] = "raise",
     format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
     decode: Annotated[
         str, typer.Option(help="npy, npz, pt, raw, image, tiff or module:attr.")
@@ -199,31 +224,42 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     storage_option: StorageOptions = None,
     as_json: AsJson = False,
 ) -> None:
-    """Fetch, decode, transform and cache every object of SOURCE (resumable; Ctrl-C is safe)."""
+    """Fetch, decode, transform and cache every sample of SOURCE (resumable; Ctrl-C is safe)."""
     # everything that can be wrong with the arguments fails here, before any request
-    cache_format = _as_format(format)
-    parse_url(source)
-    options = parse_options(storage_option)
     part = parse_shard(shard)
-    decode_fn = _decoder(decode)
-    transform_fn = load_object(transform, "transform") if transform else None
-    budget = None if max_bytes is None else parse_size(max_bytes)
-    cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
-    listing = (
-        Manifest.load(manifest, url=source)
-        if manifest
-        else Manifest.build(source, storage_options=options)
-    )
-    dataset = RemoteDataset(
-        listing,
-        decode=decode_fn,
-        transform=transform_fn,
-        cache=cache,
-        limit=limit,
-        storage_options=options,
-    )
+    if dataset_factory is not None:
+        if source is not None or cache_dir is not None:
+            raise ConfigError("--dataset makes its own dataset: give no SOURCE or --cache-dir")
+        dataset = _made_dataset(dataset_factory)
+    else:
+        if source is None or cache_dir is None:
+            raise ConfigError("warm-cache needs SOURCE and --cache-dir (or --dataset)")
+        cache_format = _as_format(format)
+        parse_url(source)
+        if incomplete not in ("raise", "skip", "accept"):
+            raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
+        options = parse_options(storage_option)
+        decode_fn = _decoder(decode)
+        transform_fn = load_object(transform, "transform") if transform else None
+        budget = None if max_bytes is None else parse_size(max_bytes)
+        cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
+        listing = (
+            Manifest.load(manifest, url=source)
+            if manifest
+            else Manifest.build(source, storage_options=options)
+        )
+        dataset = RemoteDataset(
+            listing,
+            decode=decode_fn,
+            transform=transform_fn,
+            cache=cache,
+            group_by=group_by,
+            incomplete=incomplete,  # type: ignore[arg-type]  # checked above
+            limit=limit,
+            storage_options=options,
+        )
     indices = warm_order(len(dataset), shard=part, seed=seed)
-    total_bytes = int(dataset.manifest.sizes[indices].sum())
+    total_bytes = dataset.nbytes(indices) if isinstance(dataset, RemoteDataset) else 0
     with _progress(len(indices), total_bytes, quiet=as_json) as update:
         report = warm_cache(
             dataset, indices, batch_size=batch_size, threads=workers, on_progress=update
@@ -240,6 +276,20 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         raise typer.Exit(130)
     if report.failures:
         raise typer.Exit(1)
+
+
+def _made_dataset(spec: str) -> RemoteDataset | CachedDataset:
+    factory = load_object(spec, "dataset")
+    try:
+        made = factory() if callable(factory) and not isinstance(factory, Dataset) else factory
+    except Exception as exc:
+        raise ConfigError(f"--dataset {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(made, (RemoteDataset, CachedDataset)) or made.cache is None:
+        raise ConfigError(
+            f"--dataset {spec!r} must give a CachedDataset or a RemoteDataset with a cache, "
+            f"got {type(made).__name__}"
+        )
+    return made
 
 
 def _as_format(name: str) -> CacheFormat:
@@ -482,7 +532,7 @@ def _diagnose(  # noqa: PLR0917
     source: str,
     cache_dir: Path | None,
     format: str,
-    decode: Callable[[bytes], Any],
+    decode: str | Callable[[Any], Any],
     transform: str | None,
     batch_size: int,
     workers: int | None,
