@@ -258,3 +258,86 @@ def test_cached_dataset_rejects_what_it_cannot_wrap(tmp_path: Any) -> None:
         CachedDataset(iter([1, 2]), Cache(tmp_path))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"fastload\.Cache"):
         CachedDataset(Expensive(os.devnull), str(tmp_path))  # type: ignore[arg-type]
+
+
+class Flaky(Expensive):
+    """Fails on index 5; optionally random (a crop drawn per call)."""
+
+    def __init__(self, log: str, random: bool = False) -> None:
+        super().__init__(log)
+        self.random = random
+
+    def __getitem__(self, index: int) -> Any:
+        if index == 5:
+            raise OSError("sample 5 is unreadable")
+        item = super().__getitem__(index)
+        if self.random:
+            item["x"] = item["x"] + torch.rand(3)
+        return item
+
+
+def test_cached_dataset_skips_by_key_limits_and_augments_after_the_cache(tmp_path: Any) -> None:
+    log = str(tmp_path / "calls")
+    strict = CachedDataset(Flaky(log), Cache(tmp_path / "a"), key=lambda i: f"img-{i}")
+    with pytest.raises(DecodeError, match="img-5"):
+        strict.__getitems__([4, 5, 6])
+    lenient = CachedDataset(
+        Flaky(log),
+        Cache(tmp_path / "b"),
+        key=lambda i: f"img-{i}",
+        on_error="skip",
+        limit=8,
+        augment=lambda s: {**s, "x": s["x"] + torch.rand(3)},
+    )
+    assert len(lenient) == 8
+    batch = lenient.__getitems__([4, 5, 6])
+    assert len(batch) == 3 and lenient.stats()["skipped_keys"] == ["img-5"]
+    assert len(lenient.cache) == 2  # nothing cached for img-5
+    first, second = lenient[4]["x"], lenient[4]["x"]
+    assert not torch.equal(first, second)  # augmented on every read
+    assert torch.equal(first.floor(), torch.full((3,), 4.0))  # around the cached sample
+    with pytest.raises(IndexError):
+        lenient[8]
+
+
+def test_a_random_wrapped_dataset_is_warned_about(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        CachedDataset(Flaky(os.devnull, random=True), Cache(tmp_path / "r"))[0]
+    assert "output is random" in caplog.text and "augment=" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        CachedDataset(Flaky(os.devnull), Cache(tmp_path / "d"))[0]
+    assert "random" not in caplog.text
+
+
+def test_lookahead_and_warm_work_for_a_cached_dataset(tmp_path: Any) -> None:
+    import fastload
+    from fastload.warm import warm_cache
+
+    log = str(tmp_path / "calls")
+    dataset = CachedDataset(Expensive(log), Cache(tmp_path / "c"))
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=0, lookahead=2)
+    assert len(list(loader)) == 4
+    assert dataset.stats()["cache"]["writes"] == 16  # computed ahead or in the loop, once each
+    other = CachedDataset(Expensive(log), Cache(tmp_path / "w"))
+    report = warm_cache(other, list(range(16)), batch_size=5)
+    assert report.samples == 16 and report.failures == {} and len(other.cache) == 16
+
+
+def test_remote_dataset_augments_after_the_cache(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    root, options = s3_root
+    dataset = RemoteDataset(
+        root,
+        decode="npy",
+        transform=versioned(1)(lambda a: a * 2),
+        augment=lambda a: a + np.random.default_rng().random(a.shape, dtype=np.float32),
+        cache=Cache(tmp_path, format="npy"),
+        storage_options=options,
+    )
+    a, b = dataset[3], dataset[3]
+    assert not np.array_equal(a, b) and np.array_equal(np.floor(a), np.full((4, 5), 6.0))
+    assert dataset.fetcher.stats.objects == 1  # the second read came from the cache
