@@ -274,3 +274,58 @@ def test_warm_cache_cli_warms_a_cached_dataset_from_a_module_beside_the_user(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["samples"] == 30
     assert len(Cache(tmp_path / "c")) == 30
+
+
+def dicom_slice(value: np.ndarray, z: float, instance: int) -> bytes:
+    """A CT-like slice: 16-bit stored values, rescale slope 2 and intercept -1024."""
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = CTImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset("slice", {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.InstanceNumber = "CT", instance
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImagePositionPatient = [0.0, 0.0, z]
+    ds.Rows, ds.Columns = value.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    ds.RescaleSlope, ds.RescaleIntercept = 2, -1024
+    ds.PixelData = value.astype(np.uint16).tobytes()
+    out = io.BytesIO()
+    ds.save_as(out, enforce_file_format=True)
+    return out.getvalue()
+
+
+def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
+    root = f"b2://{BUCKET}/dicom-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+    rng = np.random.default_rng(3)
+    objects, truth = {}, {}
+    for sub, n in (("sub-01", 6), ("sub-02", 4)):
+        order = rng.permutation(n)  # file names do not follow the slice position
+        stored = rng.integers(0, 4096, (n, 8, 9))
+        for name_index, z_index in enumerate(order):
+            objects[f"{sub}/series/IM{name_index:04d}.dcm"] = dicom_slice(
+                stored[z_index], z=-50.0 + 2.5 * z_index, instance=int(z_index) + 1
+            )
+        truth[sub] = stored * 2.0 - 1024  # Hounsfield units
+    write(root, options, objects)
+    dataset = RemoteDataset(
+        root,
+        group_by=r"^(sub-\d+)/",
+        decode="dicom-series",
+        labels={"sub-01": 1, "sub-02": 0},
+        cache=Cache(tmp_path, format="npy"),
+        storage_options=options,
+    )
+    for i, sub in enumerate(("sub-01", "sub-02")):
+        volume, label = dataset[i]
+        assert volume.dtype == np.float32 and volume.shape == truth[sub].shape
+        np.testing.assert_array_equal(volume, truth[sub])  # sorted by position, rescaled
+        assert label == 1 - i
+    single = RemoteDataset(root, decode="dicom", storage_options=options, limit=1)
+    assert single[0].shape == (8, 9)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import CodeType, FunctionType
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
+from fastload._dicom import dicom_array, dicom_series
 from fastload._image import image_array, tiff_array
 from fastload.errors import ConfigError
 
@@ -28,6 +29,8 @@ __all__ = [
     "Resize",
     "Transform",
     "compose",
+    "decode_dicom",
+    "decode_dicom_series",
     "decode_image",
     "decode_npy",
     "decode_npz",
@@ -224,6 +227,25 @@ def decode_tiff(data: bytes) -> np.ndarray:
     return tiff_array(data)
 
 
+@versioned(1)
+def decode_dicom(data: bytes) -> np.ndarray:
+    """One DICOM file's pixels, rescaled to modality units (needs ``fastload[dicom]``; the
+    rules: :mod:`fastload._dicom`)."""
+    return dicom_array(data)
+
+
+@versioned(1)
+def decode_dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
+    """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position
+    (``RemoteDataset(..., group_by=..., decode="dicom-series")``; needs ``fastload[dicom]``)."""
+    return dicom_series(members)
+
+
+GROUP_DECODERS: dict[str, Callable[[Mapping[str, bytes]], Any]] = {
+    "dicom-series": decode_dicom_series,
+}
+"""Decoders of a whole group (``{member key: bytes}``), by name."""
+
 _DECODERS: dict[str, Callable[[bytes], Any]] = {
     "npy": decode_npy,
     "npz": decode_npz,
@@ -231,12 +253,13 @@ _DECODERS: dict[str, Callable[[bytes], Any]] = {
     "raw": decode_raw,
     "image": decode_image,
     "tiff": decode_tiff,
+    "dicom": decode_dicom,
 }
 
 
 def decoder(name: str | Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """A decoder by name (``npy``, ``npz``, ``pt``, ``raw``, ``image``, ``tiff``) or the
-    callable itself."""
+    """A decoder by name (``npy``, ``npz``, ``pt``, ``raw``, ``image``, ``tiff``, ``dicom``) or
+    the callable itself."""
     if callable(name):
         return name
     try:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from fastload.errors import ConfigError, DecodeError
 from fastload.manifest import Manifest, read_labels
 from fastload.sources import Part, Sample
-from fastload.transforms import decoder, fingerprint
+from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
 __all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
 
@@ -226,11 +226,14 @@ def _folder(name: str) -> str:
 def group_decoder(
     decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]],
 ) -> Callable[[dict[str, bytes]], Any]:
-    """What a group's ``decode`` becomes: a callable receives ``{member key: bytes}``; a
-    decoder name decodes every member; a mapping ``{pattern: decoder}`` decodes each member
-    by the first pattern (fnmatch) its key matches. Member decoders give ``{key: value}``."""
+    """What a group's ``decode`` becomes. A callable receives ``{member key: bytes}``, and
+    so does a group decoder named by a string (``"dicom-series"``); another decoder name
+    decodes every member, and a mapping ``{pattern: decoder}`` decodes each member by the first
+    pattern (fnmatch) its key matches: member decoders give ``{key: value}``."""
     if callable(decode):
         return decode
+    if isinstance(decode, str) and decode in GROUP_DECODERS:
+        return GROUP_DECODERS[decode]
     if isinstance(decode, str):
         rules = [("*", decoder(decode))]
     elif isinstance(decode, Mapping):

@@ -1,0 +1,73 @@
+"""DICOM decoding (pydicom): one file, or a series of files as one volume.
+
+Pixel values come out in their modality's units: ``RescaleSlope`` and ``RescaleIntercept``
+are applied (CT in Hounsfield units), giving ``float32`` when they change anything and the
+stored integer type otherwise. A multi-frame file is ``frames x H x W``; a series is sorted by
+slice position along the slice normal (``ImagePositionPatient`` on the cross product of
+``ImageOrientationPatient``), else by ``InstanceNumber``, and stacked to ``slices x H x W``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fastload._extras import import_extra
+from fastload.errors import DecodeError
+
+__all__ = ["dicom_array", "dicom_series"]
+
+
+def _read(data: bytes, where: str) -> Any:
+    pydicom = import_extra("pydicom", extra="dicom", feature="decode_dicom")
+    try:
+        return pydicom.dcmread(io.BytesIO(data), force=True)
+    except Exception as exc:  # pydicom's InvalidDicomError and friends
+        raise DecodeError(f"{where}not a DICOM file pydicom can read ({exc})") from exc
+
+
+def _pixels(ds: Any, where: str) -> np.ndarray:
+    try:
+        array = np.asarray(ds.pixel_array)
+    except Exception as exc:  # no pixel data, an unsupported transfer syntax...
+        raise DecodeError(f"{where}DICOM pixel data cannot be read ({exc})") from exc
+    slope = float(getattr(ds, "RescaleSlope", 1) or 1)
+    intercept = float(getattr(ds, "RescaleIntercept", 0) or 0)
+    if slope == 1 and intercept == 0:
+        return array
+    rescaled: np.ndarray = array.astype(np.float32) * np.float32(slope) + np.float32(intercept)
+    return rescaled
+
+
+def dicom_array(data: bytes) -> np.ndarray:
+    """One DICOM file: ``H x W`` (``H x W x 3`` for colour), ``frames x H x W`` multi-frame."""
+    return _pixels(_read(data, ""), "")
+
+
+def dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
+    """The files of one series (a group) as a ``slices x H x W`` volume, in slice order."""
+    if not members:
+        raise DecodeError("a DICOM series with no files")
+    slices = [(key, _read(body, f"{key}: ")) for key, body in members.items()]
+    slices.sort(key=lambda item: _position(item[1], item[0]))
+    volume = [_pixels(ds, f"{key}: ") for key, ds in slices]
+    first = volume[0].shape
+    odd = next((key for (key, _), v in zip(slices, volume, strict=True) if v.shape != first), None)
+    if odd is not None:
+        raise DecodeError(f"{odd}: slice shape differs from the series' {first}")
+    return np.stack(volume)
+
+
+def _position(ds: Any, key: str) -> tuple[float, float, str]:
+    """Sort key of a slice: distance along the slice normal, instance number, then its key."""
+    instance = float(getattr(ds, "InstanceNumber", 0) or 0)
+    try:
+        orientation = np.asarray(ds.ImageOrientationPatient, dtype=np.float64)
+        origin = np.asarray(ds.ImagePositionPatient, dtype=np.float64)
+    except (AttributeError, ValueError, TypeError):
+        return (0.0, instance, key)
+    normal = np.cross(orientation[:3], orientation[3:])
+    return (float(origin @ normal), instance, key)
