@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, peers, plots, sampler, stall, stores, volumes
+from benchmarks import cache, groups, peers, plots, sampler, stall, stores, volumes
 
 SCENARIOS = {
     "sampler": sampler.run,
@@ -28,6 +28,7 @@ SCENARIOS = {
     "crops": cache.run_crops,
     "warm": cache.run_warm,
     "stall": stall.run_stall,
+    "groups": groups.run_groups,
 }
 RESULTS = Path(__file__).with_name("results")
 

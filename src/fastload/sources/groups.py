@@ -55,8 +55,9 @@ class Groups:
             raise ConfigError(f"incomplete must be 'raise', 'skip' or 'accept', got {incomplete!r}")
         self.root = manifest.root
         self.manifest = manifest
-        groups = _group(manifest, group_by)
-        groups = _check_complete(groups, manifest, incomplete, members)
+        keys = manifest.keys()
+        groups = _group(keys, manifest.root, group_by)
+        groups = _check_complete(groups, keys, manifest.root, incomplete, members)
         self.names = sorted(groups)
         self._members = [groups[name] for name in self.names]
         self.classes: tuple[str, ...] | None = None
@@ -111,11 +112,11 @@ class Groups:
         self._labels = [index[str(v)] for v in values]
 
 
-def _group(manifest: Manifest, group_by: GroupRule) -> dict[str, list[int]]:
+def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[int]]:
     name_of = _namer(group_by)
     groups: dict[str, list[int]] = {}
     left_out: list[str] = []
-    for i, key in enumerate(manifest.keys()):
+    for i, key in enumerate(keys):
         try:
             name = name_of(key)
         except Exception as exc:  # the user's callable
@@ -128,23 +129,22 @@ def _group(manifest: Manifest, group_by: GroupRule) -> dict[str, list[int]]:
             groups.setdefault(name, []).append(i)
     if not groups:
         raise ConfigError(
-            f"group_by {_describe(group_by)} matches none of the {len(manifest)} objects under "
-            f"{manifest.root} (keys look like {manifest.keys()[:3]})"
+            f"group_by {_describe(group_by)} matches none of the {len(keys)} objects under "
+            f"{root} (keys look like {keys[:3]})"
         )
-    if len(groups) == 1 and len(manifest) > 1:
+    if len(groups) == 1 and len(keys) > 1:
         (name,) = groups
         raise ConfigError(
-            f"group_by {_describe(group_by)} puts all {len(manifest) - len(left_out)} objects "
-            f"under {manifest.root} in one group, {name!r}: is the group part of the pattern "
-            "too short?"
+            f"group_by {_describe(group_by)} puts all {len(keys) - len(left_out)} objects "
+            f"under {root} in one group, {name!r}: is the group part of the pattern too short?"
         )
     if left_out:
         log.warning(
             "group_by %s leaves out %d of %d objects under %s (not samples): %s",
             _describe(group_by),
             len(left_out),
-            len(manifest),
-            manifest.root,
+            len(keys),
+            root,
             left_out[:_SHOWN],
         )
     return groups
@@ -181,11 +181,11 @@ def _role(key: str, group: str) -> str:
 
 def _check_complete(
     groups: dict[str, list[int]],
-    manifest: Manifest,
+    keys: list[str],
+    root: str,
     incomplete: Incomplete,
     members: int | Sequence[str] | None,
 ) -> dict[str, list[int]]:
-    keys = manifest.keys()
     roles = {g: frozenset(_role(keys[i], g) for i in idx) for g, idx in groups.items()}
     if isinstance(members, int):
         bad = {g: f"{len(r)} members, not {members}" for g, r in roles.items() if len(r) != members}
@@ -199,10 +199,10 @@ def _check_complete(
     shown = "; ".join(f"{g!r}: {why}" for g, why in sorted(bad.items())[:_SHOWN])
     if incomplete == "raise":
         raise ConfigError(
-            f"{len(bad)} of {len(groups)} groups under {manifest.root} are incomplete ({shown}); "
+            f"{len(bad)} of {len(groups)} groups under {root} are incomplete ({shown}); "
             "pass incomplete='skip' to leave them out or 'accept' to keep them"
         )
-    log.warning("leaving out %d incomplete groups under %s: %s", len(bad), manifest.root, shown)
+    log.warning("leaving out %d incomplete groups under %s: %s", len(bad), root, shown)
     return {g: idx for g, idx in groups.items() if g not in bad}
 
 
