@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,13 @@ def group_rows(fields: int, progress: Callable[[str], None]) -> list[dict[str, A
             options = server.storage_options(proxy.endpoint)
             manifest = fastload.Manifest.build(root, storage_options=options)
             progress("groups: plain torch, 4 workers")
-            plain = DataLoader(
-                PlainFields(root, keys, options), batch_size=16, num_workers=4,
-                collate_fn=_drop_none, multiprocessing_context="fork",
-            )  # fmt: skip
-            seconds, count = _epoch(plain)
+            with warnings.catch_warnings():  # torch warns of 4 workers on 2 cores: asked for
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                plain = DataLoader(
+                    PlainFields(root, keys, options), batch_size=16, num_workers=4,
+                    collate_fn=_drop_none, multiprocessing_context="fork",
+                )  # fmt: skip
+                seconds, count = _epoch(plain)
             rows.append(
                 {
                     "reader": "plain torch, 5 serial GETs per field, 4 workers",

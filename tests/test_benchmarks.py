@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import cache, peers, sampler, stall, stores, volumes
+from benchmarks import cache, groups, peers, sampler, stall, stores, volumes
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -31,8 +31,16 @@ def test_fetch_benchmark_compares_every_client() -> None:
 
 def test_manifest_benchmark_lists_and_persists() -> None:
     rows = stores.manifest_rows(1000, 300, 1, progress=lambda _: None)
-    assert [row["seconds"] > 0 for row in rows] == [True] * 4
-    assert rows[-1]["speed-up"] > 0
+    assert [row["seconds"] > 0 for row in rows] == [True] * 6  # save, load, 2 layouts x 2
+    assert rows[-1]["speed-up"] > 0 and "directories" in rows[-1]["case"]
+
+
+def test_groups_benchmark_compares_plain_torch_groups_and_single_objects() -> None:
+    rows = groups.group_rows(10, progress=lambda _: None)
+    readers = [(row["reader"], row["epoch"]) for row in rows]
+    assert len(readers) == 4 and readers[1] == ("fastload groups", "cold")
+    assert all(row["fields/s"] > 0 for row in rows)
+    assert rows[0]["fields"] == 9 and rows[1]["fields"] == 10  # plain drops the broken field
 
 
 def test_epoch_benchmark_compares_every_reader() -> None:

@@ -287,7 +287,7 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
         (["cache", "stats", str(REPO)], 2, "not a fastload cache"),
         (["manifest", "show", str(tmp_path / "empty.npz")], 2, "empty.npz"),
         (["manifest", "show", str(tmp_path / "f")], 2, "not a readable fastload manifest"),
-        (["warm-cache", "--cache-dir", str(cdir)], 2, "Missing argument"),
+        (["warm-cache", "--cache-dir", str(cdir)], 2, "needs SOURCE"),
     ]
     (tmp_path / "f").write_text("a file, not a folder")
     (tmp_path / "empty.npz").write_bytes(b"")

@@ -106,7 +106,9 @@ def test_missing_labels(tmp_path: Path) -> None:
     ]
     bad = tmp_path / "bad.csv"
     bad.write_text("name,cls\na,1\n")
-    with pytest.raises(ConfigError, match="needs 'key' and 'label' fields"):
+    with pytest.raises(
+        ConfigError, match="has no column 'key'; its columns are \\['name', 'cls'\\]"
+    ):
         manifest.with_labels(bad)
 
 
