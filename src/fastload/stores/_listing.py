@@ -118,9 +118,9 @@ class _ObstorePages:
         directory = prefix.rstrip("/") or None
         if not _fast.readable(directory or "x") or not _fast.readable(start_after or "x"):
             return await self.general.page(prefix, start_after, None, limit)
-        cursor = token or _Stream(
-            _fast.list_stream(self.store, directory, start_after, limit), None
-        )
+        # whole pages always: the stream keeps its chunk size for every page it gives, and a
+        # range probed with a small first page would go on 100 keys at a time
+        cursor = token or _Stream(_fast.list_stream(self.store, directory, start_after, PAGE), None)
         try:
             rows = await _fast.next_page(cursor.stream)
         except Exception as exc:
