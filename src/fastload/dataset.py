@@ -460,28 +460,21 @@ class CachedDataset(_Batched):
     def _made(self, indices: list[int]) -> list[Any]:
         """The wrapped dataset's samples; one it fails on is a DecodeError in its slot."""
         many = getattr(self.dataset, "__getitems__", None)
+        if many is None:
+            return [self._one(i) for i in indices]
         try:
-            return list(many(indices)) if many is not None else [self.dataset[i] for i in indices]
+            return list(many(indices))
         except Exception:
-            if len(indices) == 1 and many is None:
-                return [self._failure(indices[0])]
-        return [self._one(i) for i in indices]  # find which ones fail
+            return [self._one(i) for i in indices]  # find which ones fail
 
     def _one(self, index: int) -> Any:
         try:
             return self.dataset[index]
-        except Exception:
-            return self._failure(index)
-
-    def _failure(self, index: int) -> DecodeError:
-        try:
-            self.dataset[index]
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"[:300]
             error = DecodeError(f"the wrapped dataset failed ({reason})", url=self._display(index))
             error.__cause__ = exc
             return error
-        return DecodeError("the wrapped dataset failed once", url=self._display(index))
 
     def _warn_if_random(self, indices: list[int], items: list[Any]) -> None:
         first = next(
