@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastload.cache import Cache
-from fastload.config import FetchConfig
+from fastload.config import ChunkConfig, FetchConfig
 from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.device import DeviceLoader
 from fastload.errors import (
@@ -15,6 +15,7 @@ from fastload.errors import (
     FastloadError,
     MissingExtraError,
     ObjectNotFoundError,
+    ShardError,
     StoreError,
     TransientStoreError,
     UnsupportedSampleError,
@@ -33,6 +34,7 @@ __all__ = [
     "Cache",
     "CacheError",
     "CachedDataset",
+    "ChunkConfig",
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
@@ -51,6 +53,7 @@ __all__ = [
     "RemoteDataset",
     "Request",
     "Resize",
+    "ShardError",
     "StoreError",
     "Transform",
     "TransientStoreError",

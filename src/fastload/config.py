@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastload.errors import ConfigError
 
-__all__ = ["FetchConfig"]
+__all__ = ["ChunkConfig", "FetchConfig"]
 
 
 def _check(owner: object, name: str, ok: bool, expected: str) -> None:
@@ -54,25 +54,59 @@ class FetchConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FetchConfig:
         """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY)."""
-        env = os.environ if environ is None else environ
-        changes: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f"FASTLOAD_FETCH_{f.name.upper()}")
-            if raw is None:
-                continue
-            try:
-                changes[f.name] = None if raw.lower() == "none" else _parse(f.name, raw)
-            except ValueError as exc:
-                raise ConfigError(f"FASTLOAD_FETCH_{f.name.upper()}={raw!r}: {exc}") from exc
-        return replace(cls(), **changes)
+        return _from_env(cls(), "FASTLOAD_FETCH_", environ)
 
 
-def _parse(name: str, raw: str) -> int | float | bool:
-    if name == "fast_path":
+@dataclass(frozen=True)
+class ChunkConfig:
+    """How samples inside shards (tar, parquet) are read.
+
+    chunk_bytes: a tar shard is read in chunks of whole samples of about this size (a parquet
+        row group is always one chunk); shard-aware shuffling visits chunks.
+    memory_bytes: chunks each process keeps in memory (least recently used go first), so the
+        batches of a chunk cost one read.
+    """
+
+    chunk_bytes: int = 64 << 20
+    memory_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        _check(self, "chunk_bytes", _is_int(self.chunk_bytes) and self.chunk_bytes >= 1, ">= 1")
+        _check(self, "memory_bytes", _is_int(self.memory_bytes) and self.memory_bytes >= 0, ">= 0")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ChunkConfig:
+        """Defaults overridden by ``FASTLOAD_CHUNK_<FIELD>`` (e.g. FASTLOAD_CHUNK_MEMORY_BYTES)."""
+        return _from_env(cls(), "FASTLOAD_CHUNK_", environ)
+
+
+C = TypeVar("C", FetchConfig, ChunkConfig)
+
+
+def _from_env(default: C, prefix: str, environ: Mapping[str, str] | None) -> C:
+    env = os.environ if environ is None else environ
+    changes: dict[str, Any] = {}
+    for f in fields(default):
+        name = prefix + f.name.upper()
+        raw = env.get(name)
+        if raw is None:
+            continue
+        try:
+            changes[f.name] = _parse(getattr(default, f.name), raw)
+        except ValueError as exc:
+            raise ConfigError(f"{name}={raw!r}: {exc}") from exc
+    return replace(default, **changes)
+
+
+def _parse(default: object, raw: str) -> int | float | bool | None:
+    """``raw`` read as the type of the field's default (a float when the default is None)."""
+    if raw.lower() == "none":
+        return None
+    if isinstance(default, bool):
         if raw.lower() not in {"0", "1", "true", "false"}:
             raise ValueError("expected true/false")
         return raw.lower() in {"1", "true"}
-    return int(raw) if name in {"concurrency", "retries"} else float(raw)
+    return int(raw) if isinstance(default, int) else float(raw)
 
 
 def _is_int(value: object) -> bool:

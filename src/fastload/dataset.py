@@ -18,22 +18,24 @@ from torch.utils.data import Dataset, get_worker_info
 
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
-from fastload.config import FetchConfig
-from fastload.errors import ConfigError, DecodeError, StoreError, UnsupportedSampleError
-from fastload.fetch import Fetcher, Request
+from fastload.config import ChunkConfig, FetchConfig
+from fastload.errors import ConfigError, DecodeError, UnsupportedSampleError
+from fastload.fetch import Fetcher
 from fastload.manifest import Manifest
 from fastload.sources import Sample, SampleSource
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
 from fastload.sources.single import SingleObjects
+from fastload.sources.tar import TarShards
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
 from fastload.stores._perprocess import PerProcessCache
-from fastload.transforms import decoder, fingerprint
+from fastload.transforms import decoder, fingerprint, versioned
 
 __all__ = ["CachedDataset", "RemoteDataset"]
 
 log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
+ShardFormat = Literal["tar", "parquet"]
 _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
 PREFETCH_BATCHES = 4
 """Batches :meth:`RemoteDataset.prefetch` works on at once (per process)."""
@@ -183,6 +185,15 @@ class RemoteDataset(_Batched):
         receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
         ``{"*.tiff": "tiff", "*.json": my_json}``); ``incomplete`` and ``members`` say what
         to do with a group that lacks a member.
+    shards: ``"tar"`` or ``"parquet"``: many samples inside each object, read in place (see
+        :mod:`fastload.sources.tar` and :mod:`fastload.sources.parquet`): ``decode`` receives a
+        tar sample's ``{extension: bytes}`` (or decodes them by pattern, as for groups) or a
+        parquet row's ``{column: value}``. Chunks of shards are read whole and kept in memory
+        (``chunks``: a :class:`fastload.ChunkConfig`); :attr:`blocks` names them for
+        shard-aware shuffling. ``on_error="skip"`` also leaves out a shard that cannot be
+        indexed, naming it.
+    decode: a decoder name (``"image"``, ``"npy"``, ...), a callable, or None: the payload as
+        read (bytes, ``{name: bytes}``, a parquet row).
     transform: deterministic preprocessing, cached with the sample.
     augment: random augmentation applied after the cache on every read (never cached).
     labels: a mapping or CSV/JSON file by key (or by group name; ``label_key`` and
@@ -201,7 +212,10 @@ class RemoteDataset(_Batched):
         self,
         source: str | Manifest,
         *,
-        decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]],
+        decode: str
+        | Callable[[Any], Any]
+        | Mapping[str, str | Callable[[bytes], Any]]
+        | None = None,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[[Any], Any] | None = None,
         cache: Cache | None = None,
@@ -211,6 +225,8 @@ class RemoteDataset(_Batched):
         group_by: GroupRule | None = None,
         incomplete: Incomplete = "raise",
         members: int | Sequence[str] | None = None,
+        shards: ShardFormat | None = None,
+        chunks: ChunkConfig | None = None,
         on_error: OnError = "raise",
         limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -228,16 +244,30 @@ class RemoteDataset(_Batched):
             manifest = Manifest.build(source, storage_options=storage_options)
         else:
             raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
+        self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
         self.source: SampleSource
-        self.decode: Callable[[Any], Any]
-        if group_by is None:
+        if shards is not None:
+            if group_by is not None or labels is not None:
+                raise ConfigError(
+                    "shards= reads samples from inside shards: group_by and labels "
+                    "do not apply (a tar sample's label is one of its members)"
+                )
+            self.manifest = manifest
+            self.source = _shard_source(
+                shards,
+                manifest,
+                fetcher=self.fetcher,
+                cache=cache,
+                chunks=chunks,
+                on_error=on_error,
+            )
+        elif group_by is None:
             if labels is not None:
                 manifest = _labelled(manifest, labels, label_key, label_field)
             self.manifest = manifest if limit is None else manifest[:limit]
             self.source = SingleObjects(self.manifest)
             if isinstance(decode, Mapping):
-                raise ConfigError("decode as a mapping of member patterns needs group_by")
-            self.decode = decoder(decode)
+                raise ConfigError("decode as a mapping of member patterns needs group_by or shards")
         else:
             self.manifest = manifest
             self.source = Groups(
@@ -249,7 +279,7 @@ class RemoteDataset(_Batched):
                 label_key=label_key,
                 label_field=label_field,
             )
-            self.decode = group_decoder(decode)
+        self.decode = _decoder(decode, self.source)
         self._length = len(self.source) if limit is None else min(limit, len(self.source))
         if self._length == 0:
             raise ConfigError(f"RemoteDataset has no samples: {manifest.root}")
@@ -259,7 +289,6 @@ class RemoteDataset(_Batched):
         self.cache = cache
         self.on_error = on_error
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
-        self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
         self.counters = DatasetStats()
         self._stages = StageCounters(
             self.counters, self.fetcher.stats, CacheStats() if cache is None else cache.counters
@@ -275,6 +304,13 @@ class RemoteDataset(_Batched):
 
     def _items(self, indices: list[int]) -> list[Any]:
         return self._samples([self.source[i] for i in indices])
+
+    @property
+    def blocks(self) -> np.ndarray | None:
+        """The first sample of each chunk read as one (shards), which shard-aware shuffling
+        follows (:class:`fastload.DataLoader` does on its own); None for objects and groups."""
+        blocks = self.source.blocks
+        return None if blocks is None else blocks[blocks < len(self)]
 
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         """The bytes the samples at ``indices`` read from the store (all their parts)."""
@@ -306,19 +342,13 @@ class RemoteDataset(_Batched):
         ]
 
     def _produce(self, samples: list[Sample]) -> list[Any]:
-        """Fetch every part of every sample at once, then decode and transform each sample."""
-        requests = [Request(part.url, size=part.size) for s in samples for part in s.parts]
-        bodies = self.fetcher.fetch(requests, return_exceptions=True)
-        out, start = [], 0
-        for sample in samples:
-            mine = bodies[start : start + len(sample.parts)]
-            start += len(sample.parts)
-            failed = next((b for b in mine if isinstance(b, BaseException)), None)
-            if failed is not None:
-                out.append(_in_group(failed, sample) if len(sample.parts) > 1 else failed)
-            else:
-                out.append(self._prepare(self.source.payload(sample, mine), sample.url))
-        return out
+        """Read every sample of the batch at once (its source knows how), then decode and
+        transform each."""
+        payloads = self.source.read(samples, self.fetcher)
+        return [
+            p if isinstance(p, BaseException) else self._prepare(p, s.url)
+            for p, s in zip(payloads, samples, strict=True)
+        ]
 
     def _prepare(self, payload: Any, url: str) -> Any:
         started = time.perf_counter()
@@ -342,6 +372,44 @@ class RemoteDataset(_Batched):
         return out
 
 
+def _decoder(
+    decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]] | None,
+    source: SampleSource,
+) -> Callable[[Any], Any]:
+    """What ``decode`` becomes for ``source``: a group or a tar sample is ``{name: bytes}``."""
+    if decode is None:
+        return _as_read
+    if isinstance(source, (Groups, TarShards)):
+        return group_decoder(decode)
+    if isinstance(decode, Mapping):
+        raise ConfigError(f"decode as a mapping of member patterns does not apply to {source.root}")
+    return decoder(decode)
+
+
+@versioned(1)
+def _as_read(payload: Any) -> Any:
+    """No decoding: bytes, ``{name: bytes}`` or a parquet row as read."""
+    return payload
+
+
+def _shard_source(
+    shards: ShardFormat,
+    manifest: Manifest,
+    *,
+    fetcher: Fetcher,
+    cache: Cache | None,
+    chunks: ChunkConfig | None,
+    on_error: OnError,
+) -> SampleSource:
+    if shards == "tar":
+        return TarShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
+    if shards == "parquet":
+        from fastload.sources.parquet import ParquetShards  # noqa: PLC0415 (needs the extra)
+
+        return ParquetShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
+    raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
+
+
 def _labelled(
     manifest: Manifest, labels: LabelSource, label_key: str, label_field: str
 ) -> Manifest:
@@ -356,19 +424,6 @@ def _labelled(
 
 def _parent(key: str) -> str:
     return key.rsplit("/", 2)[-2] if "/" in key else ""
-
-
-def _in_group(error: BaseException, sample: Sample) -> BaseException:
-    """``error`` (a member's) as the failure of the whole group, naming group and member."""
-    member = getattr(error, "url", None) or ""
-    reason = str(error).removesuffix(f": {member}") if member else str(error)
-    message = f"group {sample.name!r}: member {member or '?'} failed ({reason})"
-    if isinstance(error, (StoreError, DecodeError)):
-        wrapped: BaseException = type(error)(message, url=sample.url)
-    else:
-        wrapped = DecodeError(message, url=sample.url)
-    wrapped.__cause__ = error
-    return wrapped
 
 
 class CachedDataset(_Batched):

@@ -20,6 +20,7 @@ __all__ = [
     "MissingExtraError",
     "ObjectNotFoundError",
     "ServerStartError",
+    "ShardError",
     "StoreError",
     "TransientStoreError",
     "UnsupportedSampleError",
@@ -94,6 +95,11 @@ class DecodeError(FastloadError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (type(self), self.args[0], self.url))
+
+
+class ShardError(DecodeError):
+    """A shard (tar, parquet) that cannot be indexed or read as it was indexed: truncated,
+    corrupt, or changed since; the message names the shard and the member or row group."""
 
 
 class CacheError(FastloadError, OSError):

@@ -38,6 +38,8 @@ __all__ = ["DataLoader", "default_workers"]
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+BLOCK_WINDOW = 2
+"""Chunks a shard-aware shuffle mixes at once (see :class:`DataLoader`)."""
 _END = object()
 
 
@@ -63,6 +65,9 @@ class DataLoader(tud.DataLoader[Any]):
     - workers start with ``forkserver`` (fork-safe: no inherited client connections or
       threads) when the dataset pickles, stay alive across epochs, and prefetch 4 batches each;
     - ``pin_memory`` when CUDA is available; worker seeds derive from ``seed`` and the rank;
+    - a dataset read in chunks (``RemoteDataset(shards=...)``: its ``blocks``) is shuffled
+      shard-aware: chunks in a new order each epoch, samples shuffled within windows of
+      ``BLOCK_WINDOW`` chunks, so a batch reads about that many chunks;
     - ``lookahead``: batches ahead of the workers whose missing samples a caching
       :class:`fastload.RemoteDataset` fetches into its cache in the background.
 
@@ -109,7 +114,14 @@ class DataLoader(tud.DataLoader[Any]):
         ):
             if not hasattr(dataset, "__len__"):
                 raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
-            sampler = PermutationSampler(len(dataset), shuffle=bool(shuffle), seed=seed)
+            blocks = getattr(dataset, "blocks", None) if shuffle else None
+            sampler = PermutationSampler(
+                len(dataset),
+                shuffle=bool(shuffle),
+                seed=seed,
+                blocks=blocks,
+                window=BLOCK_WINDOW,
+            )
             reshuffle = bool(shuffle)
             shuffle = None
         auto_collation = batch_sampler is not None or batch_size is not None

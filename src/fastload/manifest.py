@@ -34,14 +34,14 @@ FORMAT = "fastload-manifest/1"
 T = TypeVar("T")
 
 
-class _Strings:
+class Strings:
     """An immutable array of strings: one UTF-8 buffer plus end offsets."""
 
     def __init__(self, blob: np.ndarray, ends: np.ndarray) -> None:
         self.blob, self.ends = blob, ends
 
     @classmethod
-    def of(cls, items: Sequence[str]) -> _Strings:
+    def of(cls, items: Sequence[str]) -> Strings:
         encoded = [s.encode("utf-8", "surrogatepass") for s in items]
         ends = np.cumsum([len(b) for b in encoded], dtype=np.int64)
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), ends)
@@ -61,13 +61,13 @@ class _Strings:
             for a, b in zip([0, *ends][:-1], ends, strict=True)
         ]
 
-    def take(self, indices: np.ndarray) -> _Strings:
+    def take(self, indices: np.ndarray) -> Strings:
         """The strings at ``indices``, copied as bytes (nothing is decoded)."""
         ends = self.ends[indices]
         starts = np.where(indices > 0, self.ends[np.maximum(indices - 1, 0)], 0)
         data = self.blob.data
         blob = b"".join(data[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True))
-        return _Strings(np.frombuffer(blob, dtype=np.uint8), np.cumsum(ends - starts))
+        return Strings(np.frombuffer(blob, dtype=np.uint8), np.cumsum(ends - starts))
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,16 @@ class Manifest(Sequence[Entry]):
     def __init__(
         self,
         root: str,
-        keys: Sequence[str] | _Strings,
+        keys: Sequence[str] | Strings,
         sizes: Sequence[int] | np.ndarray,
-        versions: Sequence[str] | _Strings,
+        versions: Sequence[str] | Strings,
         *,
         labels: Sequence[int] | np.ndarray | None = None,
         classes: Sequence[str] | None = None,
     ) -> None:
         self.root = str(parse_url(root)).rstrip("/")
-        self._keys = keys if isinstance(keys, _Strings) else _Strings.of(list(keys))
-        self._versions = versions if isinstance(versions, _Strings) else _Strings.of(versions)
+        self._keys = keys if isinstance(keys, Strings) else Strings.of(list(keys))
+        self._versions = versions if isinstance(versions, Strings) else Strings.of(versions)
         self._sizes = np.asarray(sizes, dtype=np.int64)
         self._labels = None if labels is None else np.asarray(labels, dtype=np.int64)
         self.classes = None if classes is None else tuple(classes)
@@ -395,9 +395,9 @@ class Manifest(Sequence[Entry]):
                 raise ConfigError(f"not a {FORMAT} file: {path}")
             manifest = cls(
                 meta["root"],
-                _Strings(data["key_blob"], data["key_ends"]),
+                Strings(data["key_blob"], data["key_ends"]),
                 data["sizes"],
-                _Strings(data["version_blob"], data["version_ends"]),
+                Strings(data["version_blob"], data["version_ends"]),
                 labels=data.get("labels"),
                 classes=meta.get("classes"),
             )

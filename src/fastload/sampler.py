@@ -12,6 +12,7 @@ size continues with exactly the samples not yet seen.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -152,6 +153,9 @@ class PermutationSampler(Sampler[int]):
         block_size: locality-aware mode for chunked storage. Blocks of ``block_size``
             consecutive indices are visited in a shuffled order, and indices are shuffled
             within windows of ``window`` consecutive blocks, so a batch touches few chunks.
+        blocks: the same with blocks of any size (the shards or row groups of a dataset read
+            in place): the first index of each block, ascending from 0 (``dataset.blocks``).
+            Memory is O(number of blocks).
         window: blocks per shuffling window in block mode.
     """
 
@@ -165,6 +169,7 @@ class PermutationSampler(Sampler[int]):
         world_size: int | None = None,
         drop_last: bool = False,
         block_size: int | None = None,
+        blocks: Sequence[int] | npt.ArrayLike | None = None,
         window: int = 4,
     ) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _MAX_N:
@@ -182,6 +187,8 @@ class PermutationSampler(Sampler[int]):
             raise ConfigError(f"PermutationSampler: block_size must be >= 1, got {block_size}")
         if window < 1:
             raise ConfigError(f"PermutationSampler: window must be >= 1, got {window}")
+        self.blocks = None if blocks is None else _checked_blocks(blocks, n, block_size)
+        self._block_layout: tuple[int, Indices, Indices] | None = None  # (epoch, order, ends)
         self.n, self.shuffle, self.seed = n, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.block_size, self.window = block_size, window
@@ -236,9 +243,43 @@ class PermutationSampler(Sampler[int]):
         p = p % self.n
         if not self.shuffle:
             return p
+        if self.blocks is not None:
+            return self._sized_block_order(p)
         if self.block_size is None:
             return KeyedPermutation(self.n, self._epoch_key())(p)
         return self._block_order(p)
+
+    def _sized_block_order(self, p: Indices) -> Indices:
+        """Block mode with ``blocks`` of any size: the epoch visits the blocks in a shuffled
+        order; positions are shuffled within windows of ``window`` consecutive visited blocks."""
+        assert self.blocks is not None
+        key = self._epoch_key()
+        visit, ends = self._layout(key)
+        count = len(visit)
+        window_ends = ends[
+            np.minimum(np.arange(self.window, count + self.window, self.window), count) - 1
+        ]
+        window_id = np.searchsorted(window_ends, p, side="right")
+        out = np.empty_like(p)
+        sizes = np.diff(np.append(self.blocks, self.n))
+        for w in np.unique(window_id):
+            mask = window_id == w
+            begin = int(window_ends[w - 1]) if w > 0 else 0
+            span = int(window_ends[w]) - begin
+            inner = begin + KeyedPermutation(span, _splitmix64(key ^ (int(w) + 1)))(p[mask] - begin)
+            slot = np.searchsorted(ends, inner, side="right")  # the visited block holding it
+            block = visit[slot]
+            out[mask] = self.blocks[block] + inner - (ends[slot] - sizes[block])
+        return out
+
+    def _layout(self, key: int) -> tuple[Indices, Indices]:
+        """This epoch's block visiting order and where each visited block ends (positions)."""
+        if self._block_layout is None or self._block_layout[0] != self.epoch:
+            assert self.blocks is not None
+            sizes = np.diff(np.append(self.blocks, self.n))
+            visit = KeyedPermutation(len(sizes), key)(np.arange(len(sizes)))
+            self._block_layout = (self.epoch, visit, np.cumsum(sizes[visit]))
+        return self._block_layout[1], self._block_layout[2]
 
     def _block_order(self, p: Indices) -> Indices:
         size, key = int(self.block_size or 1), self._epoch_key()
@@ -319,9 +360,15 @@ class PermutationSampler(Sampler[int]):
             "shuffle": self.shuffle,
             "block_size": self.block_size,
             "window": self.window,
+            "blocks": self._blocks_digest(),
             "epoch": self.epoch,
             "position": min(self._plan.start + consumed * self.world_size, self.n),
         }
+
+    def _blocks_digest(self) -> str | None:
+        if self.blocks is None:
+            return None
+        return hashlib.sha256(self.blocks.tobytes()).hexdigest()[:16]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch at its global position, in O(1)."""
@@ -343,6 +390,11 @@ class PermutationSampler(Sampler[int]):
                     f"PermutationSampler.load_state_dict: state has {field}={state[field]!r} "
                     f"but this sampler has {field}={getattr(self, field)!r}"
                 )
+        if state.get("blocks") != self._blocks_digest():
+            raise ConfigError(
+                "PermutationSampler.load_state_dict: the state was saved over other blocks "
+                "(the dataset's shards or row groups changed)"
+            )
         position = state.get("position")
         if not isinstance(position, int) or not 0 <= position <= self.n:
             raise ConfigError(
@@ -366,6 +418,43 @@ class PermutationSampler(Sampler[int]):
             f"PermutationSampler(n={self.n}, shuffle={self.shuffle}, seed={self.seed}, "
             f"rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
         )
+
+
+def _checked_blocks(
+    blocks: Sequence[int] | npt.ArrayLike, n: int, block_size: int | None
+) -> Indices:
+    if block_size is not None:
+        raise ConfigError("PermutationSampler: give block_size or blocks, not both")
+    starts = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if n and (
+        starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= n
+    ):
+        raise ConfigError(
+            f"PermutationSampler: blocks must be the first index of each block, ascending from 0 "
+            f"and below n={n}, got {starts[:5].tolist()}{'...' if starts.size > 5 else ''}"
+        )
+    starts.setflags(write=False)
+    return starts
+
+
+def block_locality(
+    sampler: PermutationSampler, batch_size: int, batches: int = 200
+) -> dict[str, float]:
+    """How local and how shuffled the sampler's first ``batches`` batches are: the mean number
+    of distinct blocks a batch touches, and the mean share of its largest block (1.0: a batch is
+    one block; 1/batch_size: every sample from a different block)."""
+    starts = sampler.blocks
+    if starts is None:
+        size = sampler.block_size or 1
+        starts = np.arange(0, sampler.n, size, dtype=np.int64)
+    indices = sampler.indices(0, batch_size * batches)
+    counts, shares = [], []
+    for begin in range(0, len(indices), batch_size):
+        block = np.searchsorted(starts, indices[begin : begin + batch_size], side="right")
+        _, per = np.unique(block, return_counts=True)
+        counts.append(len(per))
+        shares.append(per.max() / per.sum())
+    return {"blocks_per_batch": float(np.mean(counts)), "largest_share": float(np.mean(shares))}
 
 
 def _iter_counted(

@@ -85,6 +85,9 @@ def fingerprint(transform: Callable[..., Any] | None) -> str:
         defaults = transform.__defaults__, transform.__kwdefaults__
         cells = [c.cell_contents for c in transform.__closure__ or ()]
         return f"{transform.__qualname__}:{_digest(code, defaults, cells)}"
+    owner = getattr(transform, "__objclass__", transform)  # bytes.decode's is bytes
+    if getattr(owner, "__module__", None) == "builtins":  # int, len, bytes.decode: fixed code
+        return f"builtins.{getattr(transform, '__qualname__', transform)}"
     raise ConfigError(
         f"cannot fingerprint {transform!r}: give it a 'fingerprint' attribute or use "
         "@fastload.transforms.versioned(...)"

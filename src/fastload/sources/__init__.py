@@ -7,16 +7,27 @@ report live in :class:`fastload.RemoteDataset` and work the same for every sourc
 
 - :class:`~fastload.sources.single.SingleObjects`: one object, one sample;
 - :class:`~fastload.sources.groups.Groups`: several objects, one sample (the channels of a
-  field, a DICOM series, an image and its mask).
+  field, a DICOM series, an image and its mask);
+- :class:`~fastload.sources.tar.TarShards` and :class:`~fastload.sources.parquet.ParquetShards`:
+  many samples in one object, read in place by byte range (see :mod:`fastload.sources._chunks`).
+
+A source also says how its samples are read (:meth:`SampleSource.read`): whole objects, all at
+once (:func:`read_objects`), or chunks of shards. A source with chunks names them as
+``blocks`` (the index of each chunk's first sample), which shard-aware shuffling follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Part", "Sample", "SampleSource"]
+import numpy as np
+
+from fastload.errors import DecodeError, StoreError
+from fastload.fetch import Fetcher, Request
+
+__all__ = ["Part", "Sample", "SampleSource", "read_objects"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +36,7 @@ class Part:
 
     key: str  # relative to the manifest's root
     url: str
-    size: int
+    size: int  # bytes read for it (a whole object, or a sample's share of a chunk)
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class Sample:
     version: str  # changes when any part changes
     parts: tuple[Part, ...]
     label: int | None = None
+    index: int = -1  # its position in the source
 
 
 class SampleSource(Protocol):
@@ -49,5 +61,45 @@ class SampleSource(Protocol):
 
     def __getitem__(self, index: int) -> Sample: ...
 
-    def payload(self, sample: Sample, bodies: Sequence[bytes]) -> Any:
-        """What ``decode`` receives for ``sample``, given its parts' bytes in order."""
+    @property
+    def blocks(self) -> np.ndarray | None:
+        """The first sample of each chunk read as one (None: samples are read one by one)."""
+
+    def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
+        """What ``decode`` receives for each sample, or the exception it failed with."""
+
+
+def read_objects(
+    samples: Sequence[Sample],
+    fetcher: Fetcher,
+    payload: Callable[[Sample, Sequence[bytes]], Any],
+) -> list[Any]:
+    """Every part of every sample fetched at once; ``payload`` puts a sample's bodies together.
+
+    A sample whose part failed gets that failure (for a group: naming the group and member).
+    """
+    requests = [Request(part.url, size=part.size) for s in samples for part in s.parts]
+    bodies = fetcher.fetch(requests, return_exceptions=True)
+    out, start = [], 0
+    for sample in samples:
+        mine = bodies[start : start + len(sample.parts)]
+        start += len(sample.parts)
+        failed = next((b for b in mine if isinstance(b, BaseException)), None)
+        if failed is None:
+            out.append(payload(sample, mine))
+        else:
+            out.append(_in_group(failed, sample) if len(sample.parts) > 1 else failed)
+    return out
+
+
+def _in_group(error: BaseException, sample: Sample) -> BaseException:
+    """``error`` (a member's) as the failure of the whole group, naming group and member."""
+    member = getattr(error, "url", None) or ""
+    reason = str(error).removesuffix(f": {member}") if member else str(error)
+    message = f"group {sample.name!r}: member {member or '?'} failed ({reason})"
+    if isinstance(error, (StoreError, DecodeError)):
+        wrapped: BaseException = type(error)(message, url=sample.url)
+    else:
+        wrapped = DecodeError(message, url=sample.url)
+    wrapped.__cause__ = error
+    return wrapped

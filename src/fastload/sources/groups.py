@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastload.errors import ConfigError, DecodeError
+from fastload.fetch import Fetcher
 from fastload.manifest import Manifest, read_labels
-from fastload.sources import Part, Sample
+from fastload.sources import Part, Sample, read_objects
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
 __all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
@@ -75,10 +76,12 @@ class Groups:
         version = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         parts = tuple(Part(e.key, e.url, e.size) for e in entries)
         label = None if self._labels is None else self._labels[index]
-        return Sample(name, f"{self.root}/{name}", version, parts, label)
+        return Sample(name, f"{self.root}/{name}", version, parts, label, index)
 
-    def payload(self, sample: Sample, bodies: Sequence[bytes]) -> dict[str, bytes]:
-        return {part.key: body for part, body in zip(sample.parts, bodies, strict=True)}
+    blocks = None
+
+    def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
+        return read_objects(samples, fetcher, _members)
 
     def _join_labels(self, labels: LabelSource, label_key: str, label_field: str) -> None:
         if callable(labels) and not isinstance(labels, (str, Path, Mapping)):
@@ -110,6 +113,10 @@ class Groups:
         index = {c: i for i, c in enumerate(classes)}
         self.classes = tuple(classes)
         self._labels = [index[str(v)] for v in values]
+
+
+def _members(sample: Sample, bodies: Sequence[bytes]) -> dict[str, bytes]:
+    return {part.key: body for part, body in zip(sample.parts, bodies, strict=True)}
 
 
 def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[int]]:

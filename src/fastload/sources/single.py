@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from fastload.fetch import Fetcher
 from fastload.manifest import Manifest
-from fastload.sources import Part, Sample
+from fastload.sources import Part, Sample, read_objects
 
 __all__ = ["SingleObjects"]
 
@@ -23,7 +25,9 @@ class SingleObjects:
 
     def __getitem__(self, index: int) -> Sample:
         e = self.manifest[index]
-        return Sample(e.key, e.url, e.version, (Part(e.key, e.url, e.size),), e.label)
+        return Sample(e.key, e.url, e.version, (Part(e.key, e.url, e.size),), e.label, index)
 
-    def payload(self, sample: Sample, bodies: Sequence[bytes]) -> bytes:
-        return bodies[0]
+    blocks = None
+
+    def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
+        return read_objects(samples, fetcher, lambda sample, bodies: bodies[0])

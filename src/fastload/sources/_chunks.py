@@ -1,0 +1,132 @@
+"""Chunks of shards: what the shard sources (tar, parquet) read instead of single samples.
+
+A chunk is a byte range of one shard holding whole samples (a run of tar members, a parquet
+row group). The chunks a batch needs are read at once, one ranged request each, and each
+process keeps the most recently used ones in memory (``ChunkConfig.memory_bytes``), so the
+batches that a shard-aware sampler draws from one chunk cost one read between them. Two
+threads that want one chunk at once (the loop and the loader's lookahead) share one read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from fastload.errors import ShardError
+from fastload.fetch import Fetcher, Request
+
+__all__ = ["Chunk", "ChunkReader"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The byte range ``[start, end)`` of the shard at ``url`` (``size`` bytes, ``version``)."""
+
+    url: str
+    version: str
+    size: int
+    start: int
+    end: int
+    label: str  # names it in errors: "row group 3", "bytes 0-15728640"
+    index: int  # its position among its source's chunks
+
+
+class ChunkReader:
+    """Reads chunks for a batch and keeps recent ones (see the module docstring).
+
+    ``load(chunk, body)`` turns a chunk's bytes into what the source slices samples from (it
+    runs once per read; an exception it raises becomes that chunk's failure, not cached), and
+    ``weigh`` gives the bytes a loaded chunk holds in memory.
+    """
+
+    def __init__(
+        self,
+        memory_bytes: int,
+        load: Callable[[Chunk, bytes], Any],
+        weigh: Callable[[Any], int],
+    ) -> None:
+        self.memory_bytes = memory_bytes
+        self._load, self._weigh = load, weigh
+        self._setup()
+
+    def _setup(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[Chunk, tuple[Any, int]] = OrderedDict()
+        self._held = 0
+        self._reading: dict[Chunk, Future[Any]] = {}
+        self.reads = 0
+        self.hits = 0
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker starts with nothing kept
+        return {"memory_bytes": self.memory_bytes, "_load": self._load, "_weigh": self._weigh}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def get(self, chunks: Sequence[Chunk], fetcher: Fetcher) -> dict[Chunk, Any]:
+        """Each chunk loaded, or the exception its read or load failed with."""
+        out: dict[Chunk, Any] = {}
+        ours: list[Chunk] = []
+        theirs: dict[Chunk, Future[Any]] = {}
+        with self._lock:
+            for chunk in dict.fromkeys(chunks):
+                if chunk in self._kept:
+                    self._kept.move_to_end(chunk)
+                    out[chunk] = self._kept[chunk][0]
+                    self.hits += 1
+                elif chunk in self._reading:
+                    theirs[chunk] = self._reading[chunk]
+                else:
+                    self._reading[chunk] = Future()
+                    ours.append(chunk)
+        try:
+            if ours:
+                self._read(ours, fetcher, out)
+        finally:
+            with self._lock:  # never leave another thread waiting on a read that died
+                for chunk in ours:
+                    future = self._reading.pop(chunk, None)
+                    if future is not None and not future.done():
+                        future.set_exception(ShardError("the read was abandoned", url=chunk.url))
+        for chunk, future in theirs.items():
+            self.hits += 1
+            out[chunk] = future.exception() or future.result()
+        return out
+
+    def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
+        requests = [Request(c.url, c.start, c.end, size=c.size) for c in chunks]
+        bodies = fetcher.fetch(requests, return_exceptions=True)
+        self.reads += len(chunks)
+        for chunk, body in zip(chunks, bodies, strict=True):
+            value = body if isinstance(body, BaseException) else self._loaded(chunk, body)
+            out[chunk] = value
+            with self._lock:
+                if not isinstance(value, BaseException):
+                    self._keep(chunk, value)
+                self._reading.pop(chunk).set_result(value)
+
+    def _loaded(self, chunk: Chunk, body: bytes) -> Any:
+        try:
+            return self._load(chunk, body)
+        except ShardError as exc:
+            return exc
+        except Exception as exc:  # the format library's own errors
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            error = ShardError(f"cannot read {chunk.label} ({reason})", url=chunk.url)
+            error.__cause__ = exc
+            return error
+
+    def _keep(self, chunk: Chunk, value: Any) -> None:
+        weight = self._weigh(value)
+        if weight > self.memory_bytes:
+            return
+        self._kept[chunk] = (value, weight)
+        self._held += weight
+        while self._held > self.memory_bytes:
+            _, (_, dropped) = self._kept.popitem(last=False)
+            self._held -= dropped

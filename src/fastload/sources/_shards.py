@@ -1,0 +1,184 @@
+"""What the shard sources (tar, parquet) share: indexing every shard once, chunks, reading.
+
+A subclass says which objects are its shards (``suffixes``), how one is indexed (``_index``: a
+dict of numpy arrays, kept in the dataset's cache by the shard's version), how an index becomes
+samples and chunks (``_add``, calling ``_sample`` and ``_chunk``), what a read chunk becomes in
+memory (``_load``, ``_weigh``) and how a sample is taken from it (``_payload``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import numpy as np
+
+from fastload.cache import Cache
+from fastload.config import ChunkConfig
+from fastload.errors import ConfigError, DecodeError, FastloadError, ShardError, StoreError
+from fastload.fetch import Fetcher
+from fastload.manifest import Entry, Manifest
+from fastload.sources import Part, Sample
+from fastload.sources._chunks import Chunk, ChunkReader
+
+__all__ = ["Shards"]
+
+log = logging.getLogger(__name__)
+
+OnBad = Literal["raise", "skip"]
+_INDEXERS = 32  # shards indexed at once
+
+
+class Shards:
+    """Samples inside shard objects, read chunk by chunk (see the module docstring)."""
+
+    suffixes: tuple[str, ...]
+    kind: str
+    index_version: str
+    classes: tuple[str, ...] | None = None
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        fetcher: Fetcher,
+        *,
+        cache: Cache | None = None,
+        config: ChunkConfig | None = None,
+        on_error: OnBad = "raise",
+    ) -> None:
+        self.root = manifest.root
+        self.config = config or ChunkConfig.from_env()
+        self.on_error = on_error
+        found = [e for e in manifest if e.key.endswith(self.suffixes)]
+        if not found:
+            raise ConfigError(
+                f"no {self.kind} shards ({', '.join(self.suffixes)}) under {self.root} "
+                f"(keys look like {manifest.keys()[:3]})"
+            )
+        if len(found) < len(manifest):
+            log.info(
+                "%s: %d objects are not %s shards", self.root, len(manifest) - len(found), self.kind
+            )
+        self.shards: list[Entry] = []
+        self._chunks: list[Chunk] = []
+        self._chunk_shard: list[int] = []
+        self._firsts: list[int] = []
+        self._count = 0
+        for entry, index in zip(found, self._indexes(found, fetcher, cache), strict=True):
+            if isinstance(index, BaseException):
+                self._bad(entry, str(index), index)
+                continue
+            self.shards.append(entry)
+            self._add(len(self.shards) - 1, entry, index)
+        if self._count == 0:
+            raise ConfigError(
+                f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
+            )
+        self.blocks = np.asarray(self._firsts, dtype=np.int64)
+        self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
+
+    # -- what a format says ----------------------------------------------------------------
+    def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _name(self, index: int) -> str:
+        raise NotImplementedError
+
+    def _load(self, chunk: Chunk, body: bytes) -> Any:
+        return body
+
+    def _weigh(self, loaded: Any) -> int:
+        return len(loaded)
+
+    def _payload(self, index: int, chunk: int, loaded: Any) -> Any:
+        raise NotImplementedError
+
+    # -- building --------------------------------------------------------------------------
+    def _indexes(
+        self, shards: list[Entry], fetcher: Fetcher, cache: Cache | None
+    ) -> list[dict[str, np.ndarray] | BaseException]:
+        """Every shard's index (or its failure), from the cache when it holds this version."""
+
+        def made(entry: Entry) -> dict[str, np.ndarray] | BaseException:
+            try:
+                return self._index(entry, fetcher)
+            except FastloadError as exc:
+                return exc
+
+        def one(entry: Entry) -> dict[str, np.ndarray] | BaseException:
+            if cache is None:
+                return made(entry)
+            name = Cache.name(entry.url, entry.version, self.index_version)
+            (index,) = cache.get_many([name], lambda _: [made(entry)])
+            return index  # type: ignore[no-any-return]
+
+        with ThreadPoolExecutor(min(_INDEXERS, len(shards)), "fastload-index") as pool:
+            return list(pool.map(one, shards))
+
+    def _bad(self, shard: Entry, message: str, cause: BaseException | None = None) -> None:
+        """A shard (or a member of one) that cannot be used: raise, or leave it out and say so."""
+        error = cause if isinstance(cause, (StoreError, ShardError)) else None
+        if error is None:
+            error = ShardError(message, url=shard.url)
+            error.__cause__ = cause
+        if self.on_error == "raise":
+            raise error
+        log.warning("%s shards (on_error='skip'): leaving out %s", self.kind, error)
+
+    def _chunk(self, shard: int, first: int, start: int, end: int, label: str = "") -> None:
+        entry = self.shards[shard]
+        label = label or f"bytes {start}-{end}"
+        chunk = Chunk(entry.url, entry.version, entry.size, start, end, label, len(self._chunks))
+        self._chunks.append(chunk)
+        self._chunk_shard.append(shard)
+        self._firsts.append(first)
+
+    # -- reading ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def _chunk_of(self, indices: Sequence[int]) -> np.ndarray:
+        return np.searchsorted(self.blocks, np.asarray(indices, dtype=np.int64), side="right") - 1
+
+    def __getitem__(self, index: int) -> Sample:
+        c = int(self._chunk_of([index])[0])
+        chunk, entry = self._chunks[c], self.shards[self._chunk_shard[c]]
+        name = self._name(index)
+        nbytes = (chunk.end - chunk.start) // max(1, self._samples_in(c))
+        part = Part(entry.key, entry.url, nbytes)
+        return Sample(name, f"{entry.url}#{name}", entry.version, (part,), index=index)
+
+    def _samples_in(self, chunk: int) -> int:
+        stop = self._firsts[chunk + 1] if chunk + 1 < len(self._firsts) else self._count
+        return stop - self._firsts[chunk]
+
+    def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
+        chunk_ids = self._chunk_of([s.index for s in samples]).tolist()
+        loaded = self.reader.get([self._chunks[c] for c in chunk_ids], fetcher)
+        out: list[Any] = []
+        for sample, c in zip(samples, chunk_ids, strict=True):
+            chunk = self._chunks[c]
+            value = loaded[chunk]
+            if isinstance(value, BaseException):
+                out.append(_in_chunk(value, sample, chunk))
+                continue
+            try:
+                out.append(self._payload(sample.index, c, value))
+            except ShardError as exc:
+                out.append(_in_chunk(exc, sample, chunk))
+        return out
+
+
+def _in_chunk(error: BaseException, sample: Sample, chunk: Chunk) -> BaseException:
+    """A chunk's failure as the failure of one of its samples (naming sample, shard, chunk)."""
+    reason = str(error).removesuffix(f": {chunk.url}")
+    message = f"sample {sample.name!r} ({chunk.label} of {chunk.url}): {reason}"
+    kind = type(error) if isinstance(error, (StoreError, DecodeError)) else ShardError
+    wrapped = kind(message, url=sample.url)
+    wrapped.__cause__ = error
+    return wrapped

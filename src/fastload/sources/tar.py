@@ -1,0 +1,200 @@
+"""Many samples in one tar shard, read in place (the WebDataset layout).
+
+A sample is the run of members that share a basename (``n01/000123.jpg``, ``n01/000123.cls``:
+key ``n01/000123``); ``decode`` receives ``{extension: bytes}`` (``{"jpg": ..., "cls": ...}``),
+or decodes each member by pattern as for groups (``decode={"jpg": "image", "cls": int}``).
+
+Indexing a shard reads its headers with ranged reads that hop over large members and take small
+ones in stride (a few requests per shard of small samples); the index is kept in the dataset's
+cache by the shard's version, so a restart reads none of it again. Reading a sample checks its
+first header against the index: a shard rewritten since it was indexed is an error, never a
+wrong sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tarfile
+import zlib
+from typing import Any
+
+import numpy as np
+
+from fastload.errors import ShardError
+from fastload.fetch import Fetcher, Request
+from fastload.manifest import Entry, Strings
+from fastload.sources._shards import Shards
+
+__all__ = ["TarShards"]
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = "tar-index/1"
+_BLOCK = tarfile.BLOCKSIZE
+_BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the first dot of the name
+_MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
+
+
+class TarShards(Shards):
+    """The samples in the ``.tar`` objects of a manifest (see the module docstring)."""
+
+    suffixes = (".tar",)
+    kind = "tar"
+    index_version = INDEX_VERSION
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._keys: list[str] = []
+        self._starts: list[int] = []
+        self._crcs: list[int] = []
+        self._exts: list[str] = []
+        self._offsets: list[int] = []
+        self._sizes: list[int] = []
+        self._first_member: list[int] = [0]
+        super().__init__(*args, **kwargs)
+
+    def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
+        return _read_headers(shard, fetcher)
+
+    def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
+        names = Strings(index["name_blob"], index["name_ends"]).tolist()
+        header, data, size, crc = (index[k].tolist() for k in ("header", "data", "size", "crc"))
+        runs: list[tuple[str, list[tuple[str, int]]]] = []  # key, (extension, member)
+        for i, name in enumerate(names):
+            found = _BASENAME.match(name)
+            if found is None:
+                self._bad(entry, f"member {name!r} has no basename.extension to group it by")
+                continue
+            key, ext = found.groups()
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append((ext, i))
+            else:
+                runs.append((key, [(ext, i)]))
+        chunk = (-1, 0, 0)  # first sample, start, end
+        for key, members in runs:
+            exts = [ext for ext, _ in members]
+            if len(set(exts)) < len(exts):
+                self._bad(entry, f"sample {key!r} has two members named alike: {exts}")
+                continue
+            start = header[members[0][1]]
+            end = max(data[i] + size[i] for _, i in members)
+            first, chunk_start, chunk_end = chunk
+            if first < 0 or max(end, chunk_end) - chunk_start > self.config.chunk_bytes:
+                if first >= 0:
+                    self._chunk(shard, first, chunk_start, chunk_end)
+                chunk = (self._count, start, end)
+            else:
+                chunk = (first, chunk_start, max(end, chunk_end))
+            self._keys.append(key)
+            self._starts.append(start)
+            self._crcs.append(crc[members[0][1]])
+            for ext, i in members:
+                self._exts.append(ext)
+                self._offsets.append(data[i] - start)
+                self._sizes.append(size[i])
+            self._first_member.append(len(self._exts))
+            self._count += 1
+        if chunk[0] >= 0:
+            self._chunk(shard, *chunk)
+
+    def _name(self, index: int) -> str:
+        return self._keys[index]
+
+    def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, bytes]:
+        base = self._chunks[chunk].start
+        at = self._starts[index] - base
+        view = memoryview(loaded)
+        if zlib.crc32(view[at : at + _BLOCK]) != self._crcs[index]:
+            raise ShardError(
+                f"it is not at byte {self._starts[index]}, where the index says: the shard "
+                "changed since it was indexed (build the dataset again)"
+            )
+        members = range(self._first_member[index], self._first_member[index + 1])
+        out = {}
+        for m in members:
+            begin = at + self._offsets[m]
+            out[self._exts[m]] = bytes(view[begin : begin + self._sizes[m]])
+        return out
+
+
+def _read_headers(shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
+    """The regular members of one tar shard: name, header and data offsets, size, header crc."""
+    file = _RangedFile(shard, fetcher)
+    names: list[str] = []
+    header: list[int] = []
+    data: list[int] = []
+    size: list[int] = []
+    crc: list[int] = []
+    try:
+        with tarfile.open(fileobj=file, mode="r:") as tar:  # type: ignore[call-overload]
+            while (member := tar.next()) is not None:
+                if not member.isfile():
+                    continue
+                end = member.offset_data + member.size
+                if end > shard.size:
+                    raise ShardError(
+                        f"truncated: member {member.name!r} ends at byte {end} but the shard has "
+                        f"{shard.size}",
+                        url=shard.url,
+                    )
+                names.append(member.name)
+                header.append(member.offset)
+                data.append(member.offset_data)
+                size.append(member.size)
+                crc.append(zlib.crc32(file.peek(member.offset, _BLOCK)))
+    except tarfile.TarError as exc:
+        at = f" after member {names[-1]!r}" if names else ""
+        raise ShardError(f"not a readable tar{at} ({exc})", url=shard.url) from exc
+    blob = Strings.of(names)
+    return {
+        "name_blob": blob.blob,
+        "name_ends": blob.ends,
+        "header": np.asarray(header, np.int64),
+        "data": np.asarray(data, np.int64),
+        "size": np.asarray(size, np.int64),
+        "crc": np.asarray(crc, np.int64),
+    }
+
+
+class _RangedFile:
+    """A read-only file over one shard that reads ahead in windows: a window grows while
+    headers keep landing in it (small members) and shrinks when a seek jumps past it (large
+    members are hopped over, not read)."""
+
+    def __init__(self, shard: Entry, fetcher: Fetcher) -> None:
+        self.shard, self.fetcher = shard, fetcher
+        self.position = 0
+        self.window = 1 << 20
+        self.buffer, self.buffer_start = b"", 0
+        self.requests = 0
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.shard.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.shard.size - self.position if n < 0 else n
+        out = self.peek(self.position, n)
+        self.position += len(out)
+        return out
+
+    def peek(self, offset: int, n: int) -> bytes:
+        end = min(offset + n, self.shard.size)
+        if offset >= end:
+            return b""
+        buffer_end = self.buffer_start + len(self.buffer)
+        if not self.buffer_start <= offset or end > buffer_end:
+            jumped = offset >= buffer_end + self.window
+            self.window = max(_MIN_WINDOW, self.window // 4) if jumped else self.window * 2
+            self.window = min(self.window, _MAX_WINDOW)
+            stop = min(max(end, offset + self.window), self.shard.size)
+            request = Request(self.shard.url, offset, stop, size=self.shard.size)
+            (self.buffer,) = self.fetcher.fetch([request])
+            self.buffer_start = offset
+            self.requests += 1
+        at = offset - self.buffer_start
+        return self.buffer[at : at + end - offset]

@@ -1,0 +1,253 @@
+"""Samples inside shards (tar in the WebDataset layout, parquet), read in place, against
+SeaweedFS, fake-gcs-server and the B2 server."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+import uuid
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import fastload
+from fastload import Cache, ChunkConfig, ConfigError, RemoteDataset, ShardError
+from fastload.sampler import PermutationSampler, block_locality
+from fastload.stores import filesystem
+from fastload.testing import B2Server, FakeGcsServer, S3Server
+from tests.conftest import BUCKET
+
+SHARDS, PER_SHARD = 4, 25
+LONG = "x" * 120  # a name past ustar's 100 characters: a PAX header in front of the member
+
+
+def key(n: int) -> str:
+    """Directory-like keys with dots in folder names, as real datasets have them."""
+    return f"class.{n % 3}/{LONG if n % 10 == 7 else 'img'}-{n:05d}"
+
+
+def image(n: int) -> np.ndarray:
+    return (np.arange(64 * 80, dtype=np.uint16).reshape(64, 80) * 7 + 40_000 + n).astype(np.uint16)
+
+
+def npy(value: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, value)
+    return out.getvalue()
+
+
+def tar_shard(first: int, count: int) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        folder = tarfile.TarInfo("class.0")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)  # a folder entry, as `tar cf` writes them: not a sample
+        for n in range(first, first + count):
+            members = {
+                "npy": npy(image(n)),
+                "cls": str(n % 3).encode(),
+                "meta.json": json.dumps({"n": n}).encode(),
+            }
+            for ext, body in members.items():
+                info = tarfile.TarInfo(f"{key(n)}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    return out.getvalue()
+
+
+def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
+    fs = filesystem(root, options)
+    base = fs._strip_protocol(root)
+    fs.pipe({f"{base}/{k}": body for k, body in objects.items()})
+
+
+def tar_dataset(root: str, options: dict[str, Any]) -> dict[str, bytes]:
+    objects = {
+        f"train/shard-{s:03d}.tar": tar_shard(s * PER_SHARD, PER_SHARD) for s in range(SHARDS)
+    }
+    objects["train/README.md"] = b"not a shard"
+    write(root, options, objects)
+    return objects
+
+
+DECODE = {"npy": fastload.transforms.decode_npy, "cls": int, "meta.json": json.loads}
+
+
+@pytest.fixture(params=["s3", "gcs", "b2"])
+def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    server: S3Server | FakeGcsServer | B2Server
+    scheme, server = {
+        "s3": ("s3", request.getfixturevalue("seaweed")),
+        "gcs": ("gs", request.getfixturevalue("gcs")),
+        "b2": ("b2", request.getfixturevalue("b2")),
+    }[request.param]
+    return f"{scheme}://{BUCKET}/shards-{uuid.uuid4().hex[:8]}", server.storage_options()
+
+
+def test_tar_shards_read_in_place_one_read_per_chunk(
+    store: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    root, options = store
+    tar_dataset(root, options)
+    chunks = ChunkConfig(chunk_bytes=150_000)  # a few chunks per shard
+    dataset = RemoteDataset(
+        f"{root}/train", shards="tar", decode=DECODE, chunks=chunks, storage_options=options
+    )
+    assert len(dataset) == SHARDS * PER_SHARD
+    assert dataset.blocks is not None and 2 * SHARDS <= len(dataset.blocks) < len(dataset)
+    before = dataset.fetcher.stats.requests  # those that read the headers
+    sample = dataset[37]
+    assert sample["meta.json"] == {"n": 37} and sample["cls"] == 37 % 3
+    assert sample["npy"].dtype == np.uint16 and np.array_equal(sample["npy"], image(37))
+    assert dataset.source[37].url.endswith(f"shard-001.tar#{key(37)}")
+
+    loader = fastload.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=list)
+    seen = [item["meta.json"]["n"] for batch in loader for item in batch]
+    assert sorted(seen) == list(range(len(dataset)))  # every sample once
+    assert seen != sorted(seen)  # and shuffled
+    assert dataset.fetcher.stats.requests - before == len(dataset.blocks)  # one read a chunk
+
+    cache = Cache(tmp_path / "c", format="npy")
+    first = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+    again = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+    assert first.fetcher.stats.requests >= SHARDS  # the headers were read once ...
+    assert again.fetcher.stats.requests == 0  # ... and the index came from the cache
+    assert again[5]["cls"] == b"2"
+
+
+def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> None:
+    root = f"s3://{BUCKET}/shards-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+
+    def loader(workers: int) -> fastload.DataLoader:
+        dataset = RemoteDataset(
+            f"{root}/train",
+            shards="tar",
+            decode={"npy": fastload.transforms.decode_npy, "*": bytes.decode},
+            storage_options=options,
+        )
+        return fastload.DataLoader(
+            dataset, batch_size=10, shuffle=True, num_workers=workers, collate_fn=list
+        )
+
+    def numbers(batches: Any) -> list[int]:
+        return [json.loads(item["meta.json"])["n"] for batch in batches for item in batch]
+
+    assert sorted(numbers(loader(2))) == list(range(SHARDS * PER_SHARD))
+    first = loader(0)
+    seen: list[int] = []
+    for step, batch in enumerate(first):
+        seen += numbers([batch])
+        if step == 3:
+            state = first.state_dict()
+            break
+    resumed = loader(0)
+    resumed.load_state_dict(state)
+    rest = numbers(resumed)
+    assert sorted(seen + rest) == list(range(SHARDS * PER_SHARD))
+
+
+def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture) -> None:
+    root = f"b2://{BUCKET}/bad-tar-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+    good = tar_shard(0, 10)
+    objects = {"a.tar": good, "b.tar": tar_shard(10, 10)[:30_000]}  # b is cut mid-member
+    write(root, options, objects)
+    with pytest.raises(ShardError, match=r"truncated: member '.*' ends at byte \d+.*b\.tar"):
+        RemoteDataset(root, shards="tar", storage_options=options)
+    with caplog.at_level(logging.WARNING):
+        dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+    assert len(dataset) == 10 and "b.tar" in caplog.text
+
+    no_ext = io.BytesIO()
+    with tarfile.open(fileobj=no_ext, mode="w") as tar:
+        info = tarfile.TarInfo("LICENSE")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"MIT"))
+    write(root, options, {"b.tar": no_ext.getvalue()})
+    with pytest.raises(ShardError, match=r"member 'LICENSE' has no basename.extension.*b\.tar"):
+        RemoteDataset(root, shards="tar", storage_options=options)
+
+    write(root, options, {"b.tar": tar_shard(10, 10)})
+    dataset = RemoteDataset(root, shards="tar", storage_options=options)
+    shifted = tar_shard(0, 10)  # same size, other content: the members moved by one sample
+    shifted = shifted[:512] + tar_shard(1, 10)[512 : len(good)]
+    write(root, options, {"a.tar": shifted[: len(good)]})
+    with pytest.raises(ShardError, match=r"'class.0/img-00003'.*a\.tar.*changed since it"):
+        dataset[3]
+    with pytest.raises(ConfigError, match=r"no parquet shards .*keys look like .*a\.tar"):
+        RemoteDataset(root, shards="parquet", storage_options=options)
+
+
+def events(first: int, count: int) -> pa.Table:
+    ids = np.arange(first, first + count)
+    pulses = [np.full(3 + i % 5, i, np.float32) for i in ids]
+    return pa.table({"event_id": ids, "pulses": pulses, "name": [f"ev{i}" for i in ids]})
+
+
+def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) -> None:
+    root, options = store
+    objects = {}
+    for f in range(3):
+        out = io.BytesIO()
+        pq.write_table(events(f * 500, 500), out, row_group_size=200)
+        objects[f"events/batch_{f}.parquet"] = out.getvalue()
+    write(root, options, objects)
+    dataset = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
+    assert len(dataset) == 1500 and dataset.blocks is not None and len(dataset.blocks) == 9
+    row = dataset[1234]
+    assert int(row["event_id"]) == 1234 and row["name"] == "ev1234"
+    assert np.array_equal(row["pulses"], np.full(3 + 1234 % 5, 1234, np.float32))
+    assert dataset.source[1234].url.endswith("batch_2.parquet#row=234")
+
+    before = dataset.fetcher.stats.requests
+    sampler = PermutationSampler(len(dataset), blocks=dataset.blocks, window=2, seed=3)
+    locality = block_locality(sampler, batch_size=64)
+    assert locality["blocks_per_batch"] <= 3
+    loader = fastload.DataLoader(dataset, batch_size=64, shuffle=True, collate_fn=list)
+    seen = [int(r["event_id"]) for batch in loader for r in batch]
+    assert sorted(seen) == list(range(1500))
+    assert dataset.fetcher.stats.requests - before == 9 - 1  # row group 0 of batch_2 was read
+
+
+def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
+    root = f"gs://{BUCKET}/bad-parquet-{uuid.uuid4().hex[:8]}"
+    options = gcs.storage_options()
+    out = io.BytesIO()
+    pq.write_table(events(0, 100), out)
+    body = out.getvalue()
+    write(root, options, {"a.parquet": body, "b.parquet": body[:-20] + b"\0" * 16 + b"PAR1"})
+    with pytest.raises(ShardError, match=r"b\.parquet"):
+        RemoteDataset(root, shards="parquet", storage_options=options)
+    write(root, options, {"b.parquet": b"PK\x03\x04 a zip, not parquet"})
+    with pytest.raises(ShardError, match=r"not parquet.*b\.parquet"):
+        RemoteDataset(root, shards="parquet", storage_options=options)
+    dataset = RemoteDataset(root, shards="parquet", on_error="skip", storage_options=options)
+    assert len(dataset) == 100
+
+
+def test_sampler_blocks_every_index_once_and_local() -> None:
+    starts = np.cumsum([0, 300, 17, 1, 400, 250, 90])
+    n = 1200
+    for world in (1, 3):
+        seen: list[int] = []
+        for rank in range(world):
+            sampler = PermutationSampler(n, blocks=starts, window=2, rank=rank, world_size=world)
+            seen += sampler.indices()[: sampler.num_real_samples].tolist()
+        assert sorted(seen) == list(range(n))
+    sampler = PermutationSampler(n, blocks=starts, window=1)
+    assert block_locality(sampler, 32)["blocks_per_batch"] < 1.3
+    first = sampler.indices().tolist()
+    sampler.set_epoch(1)
+    assert sampler.indices().tolist() != first
+    for bad in ([1, 5], [0, 5, 5], [0, n], []):
+        with pytest.raises(ConfigError, match="blocks must be"):
+            PermutationSampler(n, blocks=bad)
+    with pytest.raises(ConfigError, match="not both"):
+        PermutationSampler(n, blocks=starts, block_size=4)
