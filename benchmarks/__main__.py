@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, groups, peers, plots, sampler, stall, stores, volumes
+from benchmarks import cache, groups, parquet, peers, plots, sampler, stall, stores, volumes
 
 SCENARIOS = {
     "sampler": sampler.run,
@@ -29,6 +29,8 @@ SCENARIOS = {
     "warm": cache.run_warm,
     "stall": stall.run_stall,
     "groups": groups.run_groups,
+    "shards": peers.run_shards,
+    "parquet": parquet.run_parquet,
 }
 RESULTS = Path(__file__).with_name("results")
 

@@ -13,7 +13,10 @@ Readers (batch 32, shuffled; the peers with 2 DataLoader workers, what a user se
 - AWS s3torchconnector ``S3MapDataset`` (S3 only);
 - LitData ``StreamingDataset`` over chunks on the store (S3 only), conversion timed;
 - Mosaic streaming ``StreamingDataset`` over MDS shards on the store (S3 only), conversion timed;
-- fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults.
+- fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults;
+- the same samples packed in ``TAR_SHARDS`` tar shards (WebDataset layout) on the store, read in
+  place by ``RemoteDataset(shards="tar")`` (the ``shards`` scenario: the shards are the data a
+  user already has, so fastload converts nothing; packing them is not timed as a conversion).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import types
@@ -62,6 +66,7 @@ WORKERS = 2
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"s3": "s3", "gcs": "gs", "b2": "b2"}
 S3_ONLY = ("s3torchconnector", "litdata", "mosaic")
+TAR_SHARDS = 20
 # The volumes scenario's preprocessing: robust intensity normalisation, then a resize.
 PREPROCESS = compose(QuantileNormalize(), Resize((48, 256, 256)))
 
@@ -183,6 +188,22 @@ def _mosaic(spec: Spec) -> Iterable[Any]:
     )
 
 
+def _take_npy(sample: dict[str, np.ndarray]) -> np.ndarray:
+    return sample["npy"]
+
+
+def _fastload_tar(spec: Spec) -> Iterable[Any]:
+    dataset = RemoteDataset(
+        f"{spec.root}-tar",
+        shards="tar",
+        decode={"npy": "npy"},
+        transform=_take_npy,
+        cache=Cache(f"{spec.workdir}/fastload", format=spec.cache_format),  # type: ignore[arg-type]
+        storage_options=spec.options,
+    )
+    return fastload.DataLoader(dataset, batch_size=spec.batch, shuffle=True)
+
+
 def _fastload(spec: Spec) -> Iterable[Any]:
     dataset = RemoteDataset(
         Manifest.load(spec.manifest),
@@ -204,6 +225,10 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
     "litdata": ("LitData StreamingDataset (chunks on the store), 2 workers", _litdata),
     "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store), 2 workers", _mosaic),
     "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
+    "fastload-tar": (
+        f"fastload RemoteDataset(shards='tar') over {TAR_SHARDS} tar shards, same defaults",
+        _fastload_tar,
+    ),
 }
 
 
@@ -311,6 +336,21 @@ def _convert_mosaic(root: str, options: dict[str, Any], n: int, work: Path) -> f
     return time.perf_counter() - started
 
 
+def _pack_tar(root: str, options: dict[str, Any], n: int) -> None:
+    """The samples as ``TAR_SHARDS`` tar shards (``00042.npy`` members) beside the objects."""
+    fs = filesystem(root, options)
+    per = -(-n // TAR_SHARDS)
+    for shard in range(TAR_SHARDS):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for i in range(shard * per, min(n, (shard + 1) * per)):
+                body = npy_bytes(sample_array(i))
+                info = tarfile.TarInfo(f"{i:05d}.npy")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+        fs.pipe_file(f"{fs._strip_protocol(root)}-tar/shard-{shard:03d}.tar", out.getvalue())
+
+
 @functools.cache
 def _source(root: str, options: str) -> Any:
     return filesystem(root, json.loads(options))
@@ -356,6 +396,8 @@ def store_rows(
             setup["litdata"] = _convert_litdata(root, options, n, work)
         if "mosaic" in readers:
             setup["mosaic"] = _convert_mosaic(root, options, n, work)
+        if "fastload-tar" in readers:
+            _pack_tar(root, server.storage_options(), n)
         for repeat in range(repeats):  # interleaved, so noise hits every reader alike
             for reader in readers:
                 progress(f"peers/{store}: {reader} (repeat {repeat + 1}/{repeats})")
@@ -427,6 +469,15 @@ def with_ratios(rows: list[dict[str, Any]], base: str = "torch") -> list[dict[st
         for kind in ("cold", "warm"):
             row[f"{kind} vs {base}"] = row[f"{kind} samples/s"] / rows[0][f"{kind} samples/s"]
     return rows
+
+
+def run_shards(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The peers' samples packed in tar shards, read in place, beside the chunk-converting peers
+    (S3 only: LitData and Mosaic read S3)."""
+    readers = ("torch", "litdata", "mosaic", "fastload", "fastload-tar")
+    if quick:
+        return peer_rows(64, {"s3": 1}, progress, ("torch", "fastload-tar"))
+    return peer_rows(2000, {"s3": 3}, progress, readers)
 
 
 def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -139,7 +139,12 @@ def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> N
     def numbers(batches: Any) -> list[int]:
         return [json.loads(item["meta.json"])["n"] for batch in batches for item in batch]
 
-    assert sorted(numbers(loader(2))) == list(range(SHARDS * PER_SHARD))
+    workers = loader(2)
+    before = workers.dataset.fetcher.stats.requests  # type: ignore[attr-defined]
+    assert sorted(numbers(workers)) == list(range(SHARDS * PER_SHARD))
+    counters = workers.stage_counters()
+    assert counters is not None  # the workers shared their chunks: each was read once
+    assert counters.fetch.requests - before == len(workers.dataset.blocks)  # type: ignore[attr-defined]
     first = loader(0)
     seen: list[int] = []
     for step, batch in enumerate(first):
@@ -251,3 +256,82 @@ def test_sampler_blocks_every_index_once_and_local() -> None:
             PermutationSampler(n, blocks=bad)
     with pytest.raises(ConfigError, match="not both"):
         PermutationSampler(n, blocks=starts, block_size=4)
+
+
+def test_warm_cache_cli_splits_tar_shards_by_chunk_then_training_reads_only_the_cache(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/cli-shards-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+    args = ["warm-cache", f"{root}/train", "--cache-dir", str(tmp_path / "c"), "--format", "npy"]
+    args += ["--shards", "tar", "--json", *options_args(options)]
+    requests = 0
+    for part in ("0/2", "1/2"):
+        done = cli(*args, "--shard", part)
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["failures"] == {} and summary["samples"] == SHARDS * PER_SHARD // 2
+        requests += summary["requests"]
+    assert requests == SHARDS  # each machine read its own shards, each once
+    dataset = RemoteDataset(
+        f"{root}/train", shards="tar", cache=Cache(tmp_path / "c", format="npy"),
+        storage_options=options,
+    )  # fmt: skip
+    seen = [
+        item["meta.json"]
+        for batch in fastload.DataLoader(dataset, batch_size=7, collate_fn=list)
+        for item in batch
+    ]
+    assert sorted(json.loads(m)["n"] for m in seen) == list(range(SHARDS * PER_SHARD))
+    assert dataset.fetcher.stats.requests == 0  # the index and every sample came from the cache
+    bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
+    assert bad.returncode != 0 and "--shards must be tar or parquet" in bad.stderr
+
+
+def pulses(first: int, count: int) -> pa.Table:
+    """IceCube-like pulses: one row per pulse, an event's pulses in consecutive rows."""
+    ids = np.repeat(
+        np.arange(first, first + count), [3 + e % 4 for e in range(first, first + count)]
+    )
+    return pa.table(
+        {
+            "event_id": ids,
+            "time": np.arange(len(ids), dtype=np.float32),
+            "sensor_id": (ids * 7 % 5160).astype(np.int16),
+        }
+    )
+
+
+def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
+    root = f"b2://{BUCKET}/pulses-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+    objects = {}
+    for f in range(2):
+        out = io.BytesIO()
+        pq.write_table(pulses(f * 100, 100), out, row_group_size=64)  # events span row groups
+        objects[f"batch_{f}.parquet"] = out.getvalue()
+    write(root, options, objects)
+    dataset = RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
+    assert len(dataset) == 200
+    event = dataset[150]
+    assert set(event["event_id"].tolist()) == {150} and len(event["time"]) == 3 + 150 % 4
+    assert event["sensor_id"].dtype == np.int16
+    assert dataset.source[150].url.endswith("batch_1.parquet#event_id=150")
+    loader = fastload.DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=list)
+    seen = [int(e["event_id"][0]) for batch in loader for e in batch]
+    assert sorted(seen) == list(range(200))
+    assert all(len(e["time"]) == 3 + int(e["event_id"][0]) % 4 for batch in loader for e in batch)
+
+    out = io.BytesIO()
+    pq.write_table(pa.table({"event_id": [1, 1, 2, 2, 1], "time": [0.0] * 5}), out)
+    write(root, options, {"batch_9.parquet": out.getvalue()})  # not sorted by event_id
+    with pytest.raises(ShardError, match=r"event_id=1 has rows at 0 and again at 4.*batch_9"):
+        RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
+    with pytest.raises(ShardError, match=r"row_key 'evt' is not a column .*'event_id'"):
+        RemoteDataset(root, shards="parquet", row_key="evt", storage_options=options)
+    with pytest.raises(ConfigError, match="needs shards='parquet'"):
+        RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)

@@ -24,6 +24,7 @@ from fastload.fetch import Fetcher
 from fastload.manifest import Manifest
 from fastload.sources import Sample, SampleSource
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
+from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
 from fastload.sources.tar import TarShards
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
@@ -191,7 +192,8 @@ class RemoteDataset(_Batched):
         parquet row's ``{column: value}``. Chunks of shards are read whole and kept in memory
         (``chunks``: a :class:`fastload.ChunkConfig`); :attr:`blocks` names them for
         shard-aware shuffling. ``on_error="skip"`` also leaves out a shard that cannot be
-        indexed, naming it.
+        indexed, naming it. ``row_key`` (parquet): each run of rows sharing a value of that
+        column is one sample (``{column: array}``), e.g. the pulses of one ``event_id``.
     decode: a decoder name (``"image"``, ``"npy"``, ...), a callable, or None: the payload as
         read (bytes, ``{name: bytes}``, a parquet row).
     transform: deterministic preprocessing, cached with the sample.
@@ -226,6 +228,7 @@ class RemoteDataset(_Batched):
         incomplete: Incomplete = "raise",
         members: int | Sequence[str] | None = None,
         shards: ShardFormat | None = None,
+        row_key: str | None = None,
         chunks: ChunkConfig | None = None,
         on_error: OnError = "raise",
         limit: int | None = None,
@@ -260,7 +263,10 @@ class RemoteDataset(_Batched):
                 cache=cache,
                 chunks=chunks,
                 on_error=on_error,
+                row_key=row_key,
             )
+        elif row_key is not None:
+            raise ConfigError("row_key groups the rows of parquet files: it needs shards='parquet'")
         elif group_by is None:
             if labels is not None:
                 manifest = _labelled(manifest, labels, label_key, label_field)
@@ -400,13 +406,16 @@ def _shard_source(
     cache: Cache | None,
     chunks: ChunkConfig | None,
     on_error: OnError,
+    row_key: str | None,
 ) -> SampleSource:
+    if shards == "parquet":
+        return ParquetShards(
+            manifest, fetcher, row_key=row_key, cache=cache, config=chunks, on_error=on_error
+        )
+    if row_key is not None:
+        raise ConfigError("row_key groups the rows of parquet files: it needs shards='parquet'")
     if shards == "tar":
         return TarShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
-    if shards == "parquet":
-        from fastload.sources.parquet import ParquetShards  # noqa: PLC0415 (needs the extra)
-
-        return ParquetShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
     raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
 
 

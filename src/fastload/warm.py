@@ -47,12 +47,28 @@ class WarmReport:
         }
 
 
-def warm_order(n: int, *, shard: tuple[int, int] = (0, 1), seed: int | None = None) -> np.ndarray:
+def warm_order(
+    n: int,
+    *,
+    shard: tuple[int, int] = (0, 1),
+    seed: int | None = None,
+    blocks: np.ndarray | None = None,
+) -> np.ndarray:
     """Indices for shard ``(i, count)``: every count-th from i, or with ``seed`` this shard's
-    epoch-0 order of a :class:`PermutationSampler` (what that rank reads first in training)."""
+    epoch-0 order of a :class:`PermutationSampler` (what that rank reads first in training).
+
+    With ``blocks`` (the chunks of a dataset read in shards: the first index of each) the
+    shard takes every count-th chunk whole, so each chunk is read by one machine, once.
+    """
     index, count = shard
     if count < 1 or not 0 <= index < count:
         raise ConfigError(f"shard must be I/N with 0 <= I < N, got {index}/{count}")
+    if blocks is not None:
+        ends = np.append(blocks[1:], n)
+        ranges = [
+            np.arange(a, b) for a, b in zip(blocks[index::count], ends[index::count], strict=True)
+        ]
+        return np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
     if seed is None:
         return np.arange(index, n, count, dtype=np.int64)
     order = PermutationSampler(n, seed=seed, rank=index, world_size=count).indices()

@@ -197,10 +197,18 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     incomplete: Annotated[
         str, typer.Option(help="Groups missing a member: raise, skip or accept.")
     ] = "raise",
+    shards: Annotated[
+        str | None,
+        typer.Option(help="tar or parquet: many samples inside each object, read in place."),
+    ] = None,
     format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
     decode: Annotated[
-        str, typer.Option(help="npy, npz, pt, raw, image, tiff or module:attr.")
-    ] = "npy",
+        str | None,
+        typer.Option(
+            help="npy, npz, pt, raw, image, tiff or module:attr (default: npy; with --shards, "
+            "the sample as read)."
+        ),
+    ] = None,
     transform: Annotated[str | None, typer.Option(help="module:attr of the preprocessing.")] = None,
     workers: Annotated[int, typer.Option(help="Batches in flight at once.")] = 4,
     batch_size: Annotated[int, typer.Option(help="Objects per concurrent batch.")] = 64,
@@ -238,8 +246,10 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         parse_url(source)
         if incomplete not in ("raise", "skip", "accept"):
             raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
+        if shards not in (None, "tar", "parquet"):
+            raise ConfigError(f"--shards must be tar or parquet, got {shards!r}")
         options = parse_options(storage_option)
-        decode_fn = _decoder(decode)
+        decode_fn = None if decode is None and shards else _decoder(decode or "npy")
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
         cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
@@ -255,10 +265,12 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             cache=cache,
             group_by=group_by,
             incomplete=incomplete,  # type: ignore[arg-type]  # checked above
+            shards=shards,  # type: ignore[arg-type]  # checked above
             limit=limit,
             storage_options=options,
         )
-    indices = warm_order(len(dataset), shard=part, seed=seed)
+    blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
+    indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
     total_bytes = dataset.nbytes(indices) if isinstance(dataset, RemoteDataset) else 0
     with _progress(len(indices), total_bytes, quiet=as_json) as update:
         report = warm_cache(

@@ -5,17 +5,30 @@ row group). The chunks a batch needs are read at once, one ranged request each, 
 process keeps the most recently used ones in memory (``ChunkConfig.memory_bytes``), so the
 batches that a shard-aware sampler draws from one chunk cost one read between them. Two
 threads that want one chunk at once (the loop and the loader's lookahead) share one read.
+
+DataLoader workers get the batches of one chunk in turn, so without more each worker would
+read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
+where there is one, bounded by ``memory_bytes``, removed when the process that made it exits)
+that the processes it is copied into (forked or pickled workers) share: a chunk is fetched by
+the first worker that wants it and read from there by the others.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from fastload.cache import Cache
 from fastload.errors import ShardError
 from fastload.fetch import Fetcher, Request
 
@@ -51,6 +64,8 @@ class ChunkReader:
     ) -> None:
         self.memory_bytes = memory_bytes
         self._load, self._weigh = load, weigh
+        self._owner = os.getpid()
+        self.shared = _scratch(memory_bytes, self._owner)
         self._setup()
 
     def _setup(self) -> None:
@@ -62,7 +77,8 @@ class ChunkReader:
         self.hits = 0
 
     def __getstate__(self) -> dict[str, Any]:  # a worker starts with nothing kept
-        return {"memory_bytes": self.memory_bytes, "_load": self._load, "_weigh": self._weigh}
+        keep = ("memory_bytes", "_load", "_weigh", "shared", "_owner")
+        return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -98,10 +114,28 @@ class ChunkReader:
             out[chunk] = future.exception() or future.result()
         return out
 
-    def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
+    def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         requests = [Request(c.url, c.start, c.end, size=c.size) for c in chunks]
-        bodies = fetcher.fetch(requests, return_exceptions=True)
         self.reads += len(chunks)
+        return fetcher.fetch(requests, return_exceptions=True)
+
+    def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
+        """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""
+        if os.getpid() == self._owner:
+            return self._fetch(chunks, fetcher)
+        names = [Cache.name(c.url, c.version, f"chunk:{c.start}-{c.end}") for c in chunks]
+
+        def fetched(positions: list[int]) -> list[Any]:
+            bodies = self._fetch([chunks[p] for p in positions], fetcher)
+            return [
+                b if isinstance(b, BaseException) else np.frombuffer(b, np.uint8) for b in bodies
+            ]
+
+        found = self.shared.get_many(names, fetched)
+        return [b if isinstance(b, BaseException) else b.tobytes() for b in found]
+
+    def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
+        bodies = self._bodies(chunks, fetcher)
         for chunk, body in zip(chunks, bodies, strict=True):
             value = body if isinstance(body, BaseException) else self._loaded(chunk, body)
             out[chunk] = value
@@ -130,3 +164,18 @@ class ChunkReader:
         while self._held > self.memory_bytes:
             _, (_, dropped) = self._kept.popitem(last=False)
             self._held -= dropped
+
+
+def _scratch(memory_bytes: int, owner: int) -> Cache:
+    """A cache for the chunks of the workers this process starts; removed when it exits."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="fastload-chunks-", dir=where)
+    cache = Cache(root, format="npy", max_bytes=max(memory_bytes, 1))
+    weakref.finalize(cache, _remove, root, owner)
+    return cache
+
+
+def _remove(root: str, owner: int) -> None:
+    if os.getpid() == owner:  # a forked worker's copy must not remove what the others use
+        shutil.rmtree(root, ignore_errors=True)

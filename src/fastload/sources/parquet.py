@@ -1,10 +1,16 @@
-"""Many samples in one parquet file, read in place: one sample per row.
+"""Many samples in one parquet file, read in place: one sample per row, or per run of rows.
 
 ``decode`` receives a row as ``{column: value}`` (numbers as numpy scalars, list columns as
-numpy arrays, strings as str); with ``decode=None`` the row is the sample. Indexing a file reads
-only its footer (one suffix read, two for a large footer), kept in the dataset's cache by the
-file's version. A row group is one chunk: the batches that shard-aware shuffling draws from it
-cost one ranged read of the row group, decoded once per process. Needs ``fastload[parquet]``.
+numpy arrays, strings as str); with ``decode=None`` the row is the sample. With ``row_key``
+(e.g. ``"event_id"``, when an event's pulses are consecutive rows) each run of rows sharing a
+value of that column is one sample, ``{column: array of its rows}``; a file in which a value
+comes back later (not sorted by it) is an error naming the value, never two samples.
+
+Indexing a file reads its footer (one suffix read, two for a large footer) and, with
+``row_key``, that column's chunks only; the index is kept in the dataset's cache by the file's
+version. A row group is one chunk (row groups that a run spans are one chunk together): the
+batches that shard-aware shuffling draws from it cost one ranged read, decoded once per
+process. Needs ``fastload[parquet]``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 from fastload._extras import import_extra
 from fastload.errors import ShardError
 from fastload.fetch import Fetcher, Request
-from fastload.manifest import Entry
+from fastload.manifest import Entry, Manifest, Strings
 from fastload.sources._chunks import Chunk
 from fastload.sources._shards import Shards
 
@@ -40,51 +46,132 @@ class ParquetShards(Shards):
 
     suffixes = (".parquet", ".parq", ".pq")
     kind = "parquet"
-    index_version = INDEX_VERSION
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._pq: Any = import_extra("pyarrow.parquet", extra="parquet", feature="shards='parquet'")
+    def __init__(
+        self, manifest: Manifest, fetcher: Fetcher, *, row_key: str | None = None, **kwargs: Any
+    ) -> None:
+        _parquet()  # the extra is missing: say so now, not at the first read
+        self.row_key = row_key
+        self.index_version = INDEX_VERSION + ("" if row_key is None else f"|runs of {row_key}")
         self._footers: list[bytes] = []  # per shard
-        self._groups: list[int] = []  # per chunk: its row group in its shard
-        self._rows_before: list[int] = []  # per chunk: rows before its row group in its shard
-        super().__init__(*args, **kwargs)
+        self._groups: list[list[int]] = []  # per chunk: its row groups
+        self._rows_before: list[int] = []  # per chunk: rows of its shard before it
+        self._runs: list[tuple[int, int]] = []  # with row_key, per sample: its rows in its chunk
+        self._run_keys: list[str] = []
+        super().__init__(manifest, fetcher, **kwargs)
 
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
-        return {"footer": np.frombuffer(_footer(shard, fetcher), dtype=np.uint8)}
+        footer = _footer(shard, fetcher)
+        index: dict[str, np.ndarray] = {"footer": np.frombuffer(footer, dtype=np.uint8)}
+        if self.row_key is not None:
+            keys = self._key_column(shard, self._parsed(shard, footer), fetcher)
+            starts = np.flatnonzero(keys[1:] != keys[:-1]) + 1 if len(keys) else keys[:0]
+            starts = np.concatenate([[0], starts]).astype(np.int64) if len(keys) else starts
+            names = Strings.of([str(k) for k in keys[starts]])
+            _check_sorted(shard, self.row_key, names.tolist(), starts)
+            index.update(runs=starts, key_blob=names.blob, key_ends=names.ends)
+        return index
+
+    def _parsed(self, shard: Entry, footer: bytes) -> Any:
+        try:
+            return self._metadata(footer)
+        except Exception as exc:  # pyarrow's own errors
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            raise ShardError(f"corrupt parquet footer ({reason})", url=shard.url) from exc
+
+    def _key_column(self, shard: Entry, meta: Any, fetcher: Fetcher) -> np.ndarray:
+        """The ``row_key`` column of the whole file: its column chunks only, read at once."""
+        groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        paths = (
+            [groups[0].column(c).path_in_schema for c in range(groups[0].num_columns)]
+            if groups
+            else []
+        )
+        if self.row_key not in paths:
+            raise ShardError(
+                f"row_key {self.row_key!r} is not a column (columns: {paths})", url=shard.url
+            )
+        c = paths.index(self.row_key)
+        ranges = [_column_range(group.column(c)) for group in groups]
+        requests = [Request(shard.url, a, b, size=shard.size) for a, b in ranges]
+        bodies = fetcher.fetch(requests)
+        parts = {a: body for (a, _), body in zip(ranges, bodies, strict=True)}
+        file = _parquet().ParquetFile(_Sparse(shard.size, parts), metadata=meta, pre_buffer=False)
+        columns = [
+            file.read_row_group(g, columns=[self.row_key]).column(0) for g in range(len(groups))
+        ]
+        return (
+            np.concatenate([c.to_numpy(zero_copy_only=False) for c in columns])
+            if columns
+            else np.zeros(0)
+        )
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         footer = index["footer"].tobytes()
         try:
-            meta = self._metadata(footer)
-        except Exception as exc:  # pyarrow's own errors
-            self._bad(entry, f"corrupt parquet footer ({type(exc).__name__}: {exc})"[:300], exc)
+            meta = self._parsed(entry, footer)
+        except ShardError as exc:
+            self._bad(entry, str(exc), exc)
             return
         self._footers.append(footer)
-        rows = 0
+        runs = index.get("runs")
+        keys = None if runs is None else Strings(index["key_blob"], index["key_ends"]).tolist()
+        starts = set() if runs is None else set(runs.tolist())
+        groups: list[int] = []
+        first = rows = 0  # the chunk's first row, and rows so far in this shard
         for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            if group.num_rows == 0:
+            count = meta.row_group(g).num_rows
+            if count == 0:
                 continue
-            start, end = _byte_range(group)
-            self._groups.append(g)
-            self._rows_before.append(rows)
-            rows += group.num_rows
-            self._chunk(shard, self._count, start, end, f"row group {g}")
-            self._count += group.num_rows
+            groups.append(g)
+            rows += count
+            if g + 1 < meta.num_row_groups and runs is not None and rows not in starts:
+                continue  # a run goes on into the next row group: one chunk holds both
+            self._group_chunk(shard, meta, groups, first=first, stop=rows, runs=runs, keys=keys)
+            groups, first = [], rows
+
+    def _group_chunk(
+        self,
+        shard: int,
+        meta: Any,
+        groups: list[int],
+        *,
+        first: int,
+        stop: int,
+        runs: np.ndarray | None,
+        keys: list[str] | None,
+    ) -> None:
+        """One chunk: the row groups ``groups`` (rows ``first`` to ``stop`` of the shard)."""
+        ranges = [_byte_range(meta.row_group(g)) for g in groups]
+        label = f"row group {groups[0]}" + (f"-{groups[-1]}" if len(groups) > 1 else "")
+        self._chunk(shard, self._count, min(a for a, _ in ranges), max(b for _, b in ranges), label)
+        self._groups.append(groups)
+        self._rows_before.append(first)
+        if runs is None or keys is None:
+            self._count += stop - first
+            return
+        lo, hi = np.searchsorted(runs, [first, stop])
+        ends = np.append(runs[1:], stop)
+        for r in range(int(lo), int(hi)):
+            self._runs.append((int(runs[r]) - first, int(ends[r]) - first))
+            self._run_keys.append(keys[r])
+        self._count += int(hi - lo)
 
     def _metadata(self, footer: bytes) -> Any:
         """The file's metadata from its footer alone (behind a magic, as if the file were empty:
         the metadata's offsets are not checked when it is parsed)."""
-        return self._pq.read_metadata(io.BytesIO(_MAGIC + footer))
+        return _parquet().read_metadata(io.BytesIO(_MAGIC + footer))
 
     def _name(self, index: int) -> str:
+        if self.row_key is not None:
+            return f"{self.row_key}={self._run_keys[index]}"
         c = int(self._chunk_of([index])[0])
         return f"row={index - self._firsts[c] + self._rows_before[c]}"
 
     def _load(self, chunk: Chunk, body: bytes) -> _RowGroup:
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
-        file = self._pq.ParquetFile(_Sparse(chunk.size, {chunk.start: body}), metadata=meta)
-        table = file.read_row_group(self._groups[chunk.index])
+        file = _parquet().ParquetFile(_Sparse(chunk.size, {chunk.start: body}), metadata=meta)
+        table = file.read_row_groups(self._groups[chunk.index])
         columns = {
             name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names
         }
@@ -94,8 +181,28 @@ class ParquetShards(Shards):
         return int(loaded.nbytes)
 
     def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, Any]:
+        if self.row_key is not None:
+            a, b = self._runs[index]
+            return {name: values[a:b] for name, values in loaded.columns.items()}
         row = index - self._firsts[chunk]
         return {name: values[row] for name, values in loaded.columns.items()}
+
+
+def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarray) -> None:
+    """Each key's rows must be one run: a key that comes back later would be two samples."""
+    first: dict[str, int] = {}
+    for key, start in zip(keys, starts.tolist(), strict=True):
+        if key in first:
+            raise ShardError(
+                f"{row_key}={key} has rows at {first[key]} and again at {start}, apart: sort the "
+                f"file by {row_key} (each value's rows must be adjacent)",
+                url=shard.url,
+            )
+        first[key] = start
+
+
+def _parquet() -> Any:
+    return import_extra("pyarrow.parquet", extra="parquet", feature="shards='parquet'")
 
 
 def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
@@ -116,17 +223,17 @@ def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
 
 
 def _byte_range(group: Any) -> tuple[int, int]:
-    """The bytes of a row group: from its first page (a dictionary page, when there is one) to
-    the end of its last column chunk."""
-    starts, ends = [], []
-    for c in range(group.num_columns):
-        column = group.column(c)
-        start = column.data_page_offset
-        if column.has_dictionary_page and 0 < column.dictionary_page_offset < start:
-            start = column.dictionary_page_offset
-        starts.append(start)
-        ends.append(start + column.total_compressed_size)
-    return min(starts), max(ends)
+    """The bytes of a row group: from its first column chunk to the end of its last."""
+    ranges = [_column_range(group.column(c)) for c in range(group.num_columns)]
+    return min(a for a, _ in ranges), max(b for _, b in ranges)
+
+
+def _column_range(column: Any) -> tuple[int, int]:
+    """A column chunk's bytes: from its first page (a dictionary page, when there is one)."""
+    start = column.data_page_offset
+    if column.has_dictionary_page and 0 < column.dictionary_page_offset < start:
+        start = column.dictionary_page_offset
+    return start, start + column.total_compressed_size
 
 
 class _Sparse(io.RawIOBase):
