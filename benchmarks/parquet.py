@@ -51,15 +51,15 @@ def _events(file: int, count: int) -> bytes:
 class PerSampleEvents(Dataset[Any]):
     """The user's reader: the file of the event (unless read last), then its row."""
 
-    def __init__(self, root: str, files: int, options: dict[str, Any]) -> None:
-        self.root, self.files, self.options = root, files, options
+    def __init__(self, root: str, files: int, events: int, options: dict[str, Any]) -> None:
+        self.root, self.files, self.events, self.options = root, files, events, options
         self._last: tuple[int, dict[str, Any]] | None = None
 
     def __len__(self) -> int:
-        return self.files * EVENTS
+        return self.files * self.events
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        file, row = divmod(index, EVENTS)
+        file, row = divmod(index, self.events)
         if self._last is None or self._last[0] != file:
             fs = filesystem(self.root, self.options)
             body = fs.cat_file(f"{fs._strip_protocol(self.root)}/batch_{file:03d}.parquet")
@@ -85,22 +85,24 @@ def _rate(loader: Any, limit: int | None = None) -> tuple[float, int]:
     return count / (time.perf_counter() - started), count
 
 
-def parquet_rows(files: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def parquet_rows(
+    files: int, progress: Callable[[str], None], events: int = EVENTS
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with SeaweedS3Server() as server:
         server.create_bucket(BUCKET)
         root = f"s3://{BUCKET}/events"
         fs = filesystem(root, server.storage_options())
-        progress(f"parquet: writing {files} files of {EVENTS} events")
+        progress(f"parquet: writing {files} files of {events} events")
         fs.pipe(
-            {f"{BUCKET}/events/batch_{f:03d}.parquet": _events(f, EVENTS) for f in range(files)}
+            {f"{BUCKET}/events/batch_{f:03d}.parquet": _events(f, events) for f in range(files)}
         )
         with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
             options = server.storage_options(proxy.endpoint)
             for shuffle in (False, True):
                 progress(f"parquet: the user's per-sample reader, shuffle={shuffle}")
                 plain = DataLoader(
-                    PerSampleEvents(root, files, options), batch_size=BATCH, shuffle=shuffle,
+                    PerSampleEvents(root, files, events, options), batch_size=BATCH, shuffle=shuffle,
                     num_workers=2, collate_fn=_rows, multiprocessing_context="fork",
                 )  # fmt: skip
                 with warnings.catch_warnings():

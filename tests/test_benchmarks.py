@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import cache, groups, peers, sampler, stall, stores, volumes
+from benchmarks import cache, groups, parquet, peers, sampler, stall, stores, volumes
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -41,6 +41,20 @@ def test_groups_benchmark_compares_plain_torch_groups_and_single_objects() -> No
     assert len(readers) == 4 and readers[1] == ("fastload groups", "cold")
     assert all(row["fields/s"] > 0 for row in rows)
     assert rows[0]["fields"] == 9 and rows[1]["fields"] == 10  # plain drops the broken field
+
+
+def test_parquet_benchmark_compares_the_per_sample_reader_with_shards() -> None:
+    rows = parquet.parquet_rows(3, progress=lambda _: None, events=300)
+    assert [row["samples timed"] for row in rows] == [900, 900, 900]  # 4 batches > 900
+    assert rows[2]["requests"] == 3  # one row group per file, each read once
+    assert 1 <= rows[2]["shards per batch"] <= 2.5
+    assert all(row["samples/s"] > 0 for row in rows)
+
+
+def test_shards_benchmark_reads_tar_shards_in_place() -> None:
+    rows = peers.peer_rows(32, {"s3": 1}, lambda _: None, ("torch", "fastload-tar"))
+    assert [row["reader"].split()[0] for row in rows] == ["torch", "fastload"]
+    assert all(row["cold samples/s"] > 0 and row["failed runs"] == 0 for row in rows)
 
 
 def test_epoch_benchmark_compares_every_reader() -> None:
