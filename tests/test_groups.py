@@ -233,6 +233,12 @@ def test_warm_cache_cli_with_groups_then_training_reads_only_the_cache(
         assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["failures"] == {} and summary["samples"] == len(FIELDS) // 2
+    table = tmp_path / "wells.csv"  # labels are checked before any fetch
+    table.write_text("field,well\n" + "".join(f"{f},{f.split('/')[1]}\n" for f in FIELDS[1:]))
+    bad = cli(*args, "--labels", str(table))
+    assert bad.returncode == 2 and "has no column 'key'" in bad.stderr, bad.stderr
+    short = cli(*args, "--labels", str(table), "--label-key", "field", "--label-field", "well")
+    assert short.returncode == 2 and f"1 of {len(FIELDS)} groups" in short.stderr, short.stderr
     again = cli(*args)
     assert json.loads(again.stdout)["hits"] == len(FIELDS)  # both shards cached everything
     dataset = RemoteDataset(

@@ -201,6 +201,15 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         str | None,
         typer.Option(help="tar or parquet: many samples inside each object, read in place."),
     ] = None,
+    labels: Annotated[
+        str | None,
+        typer.Option(
+            help="A CSV/JSON of labels by key (or group), or 'folders': checked before any "
+            "fetch, so a join that leaves samples out fails first (labels are not cached)."
+        ),
+    ] = None,
+    label_key: Annotated[str, typer.Option(help="The labels file's key column.")] = "key",
+    label_field: Annotated[str, typer.Option(help="The labels file's label column.")] = "label",
     format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
     decode: Annotated[
         str | None,
@@ -266,6 +275,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             group_by=group_by,
             incomplete=incomplete,  # type: ignore[arg-type]  # checked above
             shards=shards,  # type: ignore[arg-type]  # checked above
+            labels=labels,
+            label_key=label_key,
+            label_field=label_field,
             limit=limit,
             storage_options=options,
         )
