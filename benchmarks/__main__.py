@@ -29,6 +29,7 @@ SCENARIOS = {
     "warm": cache.run_warm,
     "stall": stall.run_stall,
     "groups": groups.run_groups,
+    "dicom": groups.run_dicom,
     "shards": peers.run_shards,
     "parquet": parquet.run_parquet,
 }

@@ -1,4 +1,4 @@
-"""Samples made of several objects: cell-painting fields of 5 channel images.
+r"""Samples made of several objects: cell-painting fields of 5 channel images.
 
 ``fields`` fields x 5 channels, each a 16-bit 256x256 TIFF (128 KB), on loopback SeaweedFS
 behind the proxy adding 30 ms per request; one object is truncated. Readers, one after another
@@ -16,11 +16,23 @@ in this process, each over the same objects:
   grouping costs.
 
 Rates are fields per second over the epoch, first batch included.
+
+The ``dicom`` scenario: ``volumes`` DICOM series of 40-60 CT-like slices (16-bit 256x256, about
+128 KB a file, file names not in slice order) on our B2 server behind the proxy adding 20 ms per
+request and capping each response at 20 MB/s. Readers, batch 2, shuffled:
+
+- sequential: a ``Dataset`` whose ``__getitem__`` reads a volume's slices one after another
+  with the b2 filesystem (b2sdk underneath) and stacks them with pydicom by slice position,
+  ``torch.utils.data.DataLoader`` with 2 workers; every epoch is the same, so one is timed.
+- fastload: ``RemoteDataset(group_by=r"^(sub-\d+)/", decode="dicom-series",
+  incomplete="accept", cache=Cache(format="npy"))`` (series lengths differ by nature) and
+  ``fastload.DataLoader`` defaults: a cold epoch, then a warm one.
 """
 
 from __future__ import annotations
 
 import io
+import statistics
 import tempfile
 import time
 import warnings
@@ -35,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import fastload
 from fastload.stores import filesystem
-from fastload.testing import FaultProxy, Faults, SeaweedS3Server
+from fastload.testing import B2Server, FaultProxy, Faults, SeaweedS3Server
 
 BUCKET = "fastload-bench"
 CHANNELS = 5
@@ -91,9 +103,12 @@ def _epoch(loader: Any) -> tuple[float, int]:
     return time.perf_counter() - started, count
 
 
-def group_rows(fields: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def group_rows(
+    fields: int, progress: Callable[[str], None], repeats: int = 1
+) -> list[dict[str, Any]]:
+    """Every reader ``repeats`` times, interleaved; the median rate of each (reader, epoch)."""
     keys = _keys(fields)
+    runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp, SeaweedS3Server() as server:
         server.create_bucket(BUCKET)
         root = f"s3://{BUCKET}/fields"
@@ -107,57 +122,180 @@ def group_rows(fields: int, progress: Callable[[str], None]) -> list[dict[str, A
         with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
             options = server.storage_options(proxy.endpoint)
             manifest = fastload.Manifest.build(root, storage_options=options)
-            progress("groups: plain torch, 4 workers")
-            with warnings.catch_warnings():  # torch warns of 4 workers on 2 cores: asked for
-                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-                plain = DataLoader(
-                    PlainFields(root, keys, options), batch_size=16, num_workers=4,
-                    collate_fn=_drop_none, multiprocessing_context="fork",
-                )  # fmt: skip
-                seconds, count = _epoch(plain)
+            for repeat in range(repeats):
+                progress(f"groups: repeat {repeat + 1}/{repeats}")
+                work = Path(tmp) / str(repeat)
+                runs.append([_plain(root, keys, options), *_fastload(manifest, options, work)])
+    return medians(runs, "fields/s", "x plain torch")
+
+
+def _plain(root: str, keys: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    with warnings.catch_warnings():  # torch warns of 4 workers on 2 cores: asked for
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        plain = DataLoader(
+            PlainFields(root, keys, options), batch_size=16, num_workers=4,
+            collate_fn=_drop_none, multiprocessing_context="fork",
+        )  # fmt: skip
+        seconds, count = _epoch(plain)
+    return {
+        "reader": "plain torch, 5 serial GETs per field, 4 workers",
+        "epoch": "every",
+        "fields/s": count / seconds,
+        "fields": count,
+    }
+
+
+def _fastload(
+    manifest: fastload.Manifest, options: dict[str, Any], work: Path
+) -> list[dict[str, Any]]:
+    rows = []
+    for name, group_by, batch, per in (
+        ("fastload groups", GROUP_BY, 16, 1),
+        ("fastload single objects (fields/s = objects/s / 5)", None, 16 * CHANNELS, CHANNELS),
+    ):
+        cache = fastload.Cache(work / name.split()[1], format="npy")
+        dataset = fastload.RemoteDataset(
+            manifest, group_by=group_by, decode="tiff", on_error="skip", cache=cache,
+            storage_options=options,
+        )  # fmt: skip
+        loader = fastload.DataLoader(dataset, batch_size=batch, shuffle=True, collate_fn=_drop_none)
+        for epoch in ("cold", "warm") if group_by else ("cold",):  # singles: cold compares
+            seconds, count = _epoch(loader)
             rows.append(
                 {
-                    "reader": "plain torch, 5 serial GETs per field, 4 workers",
-                    "epoch": "every",
-                    "fields/s": count / seconds,
-                    "fields": count,
+                    "reader": name,
+                    "epoch": epoch,
+                    "fields/s": count / per / seconds,
+                    "fields": count // per,
                 }
             )
-            for name, group_by, batch, per in (
-                ("fastload groups", GROUP_BY, 16, 1),
-                (
-                    "fastload single objects (fields/s = objects/s / 5)",
-                    None,
-                    16 * CHANNELS,
-                    CHANNELS,
-                ),
-            ):
-                cache = fastload.Cache(Path(tmp) / name.split()[1], format="npy")
-                dataset = fastload.RemoteDataset(
-                    manifest, group_by=group_by, decode="tiff", on_error="skip", cache=cache,
-                    storage_options=options,
-                )  # fmt: skip
-                loader = fastload.DataLoader(
-                    dataset, batch_size=batch, shuffle=True, collate_fn=_drop_none
-                )
-                for epoch in ("cold", "warm"):
-                    progress(f"groups: {name}, {epoch}")
-                    seconds, count = _epoch(loader)
-                    rows.append(
-                        {
-                            "reader": name,
-                            "epoch": epoch,
-                            "fields/s": count / per / seconds,
-                            "fields": count // per,
-                        }
-                    )
-                    if group_by is None:
-                        break  # single objects: the cold epoch is the comparison
-    base = rows[0]["fields/s"]
-    for row in rows:
-        row["x plain torch"] = row["fields/s"] / base
     return rows
 
 
+def medians(runs: list[list[dict[str, Any]]], rate: str, ratio: str) -> list[dict[str, Any]]:
+    """One row per reader and epoch: the median ``rate`` over the runs, and its ratio to the
+    first row's (the baseline's) median."""
+    rows = [
+        {**same[0], rate: statistics.median(r[rate] for r in same), "runs": len(same)}
+        for same in zip(*runs, strict=True)
+    ]
+    for row in rows:
+        row[ratio] = row[rate] / rows[0][rate]
+    return rows
+
+
+DICOM_LATENCY = 0.020
+DICOM_BANDWIDTH = 20e6  # bytes/s per response
+DICOM_SHAPE = (256, 256)
+
+
+def _dicom_slice(value: np.ndarray, z: float, instance: int) -> bytes:
+    """A CT slice: 16-bit stored values, rescale slope 1 and intercept -1024."""
+    from pydicom.dataset import FileDataset, FileMetaDataset  # noqa: PLC0415 (the dicom extra)
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid  # noqa: PLC0415
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = CTImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset("slice", {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.InstanceNumber = "CT", instance
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImagePositionPatient = [0.0, 0.0, z]
+    ds.Rows, ds.Columns = value.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    ds.RescaleSlope, ds.RescaleIntercept = 1, -1024
+    ds.PixelData = value.astype(np.uint16).tobytes()
+    out = io.BytesIO()
+    ds.save_as(out, enforce_file_format=True)
+    return out.getvalue()
+
+
+def _series(volumes: int) -> dict[str, bytes]:
+    objects = {}
+    for v in range(volumes):
+        rng = np.random.default_rng(v)
+        slices = int(rng.integers(40, 61))
+        for name, z in enumerate(rng.permutation(slices)):  # names not in slice order
+            value = rng.integers(0, 4096, DICOM_SHAPE, dtype=np.uint16)
+            objects[f"sub-{v:02d}/ses-1/IM{name:04d}.dcm"] = _dicom_slice(value, 2.5 * z, z + 1)
+    return objects
+
+
+class SequentialSeries(Dataset[Any]):
+    """What users write today: a volume's slices read one after another, then stacked."""
+
+    def __init__(self, root: str, series: list[list[str]], options: dict[str, Any]) -> None:
+        self.root, self.series, self.options = root, series, options
+
+    def __len__(self) -> int:
+        return len(self.series)
+
+    def __getitem__(self, index: int) -> Any:
+        import pydicom  # noqa: PLC0415 (the dicom extra)
+
+        fs = filesystem(self.root, self.options)
+        base = fs._strip_protocol(self.root)
+        slices = [
+            pydicom.dcmread(io.BytesIO(fs.cat_file(f"{base}/{key}"))) for key in self.series[index]
+        ]
+        slices.sort(key=lambda ds: float(ds.ImagePositionPatient[2]))
+        return torch.from_numpy(
+            np.stack([ds.pixel_array for ds in slices]).astype(np.float32) - 1024
+        )
+
+
+def dicom_rows(
+    volumes: int, progress: Callable[[str], None], repeats: int = 1
+) -> list[dict[str, Any]]:
+    """Both readers ``repeats`` times, interleaved; the median rate of each (reader, epoch)."""
+    objects = _series(volumes)
+    series: dict[str, list[str]] = {}
+    for key in objects:
+        series.setdefault(key.split("/")[0], []).append(key)
+    runs: list[list[dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp, B2Server() as server:
+        server.create_bucket(BUCKET)
+        root = f"b2://{BUCKET}/scans"
+        progress(f"dicom: uploading {len(objects)} slices of {volumes} volumes")
+        fs = filesystem(root, server.storage_options())
+        fs.pipe({f"{BUCKET}/scans/{k}": body for k, body in objects.items()})
+        faults = Faults(latency=DICOM_LATENCY, bandwidth=DICOM_BANDWIDTH)
+        with FaultProxy(server.endpoint, flavor="b2", faults=faults) as proxy:
+            options = server.storage_options(proxy.endpoint)
+            for repeat in range(repeats):
+                progress(f"dicom: repeat {repeat + 1}/{repeats}")
+                plain = DataLoader(
+                    SequentialSeries(root, [series[k] for k in sorted(series)], options),
+                    batch_size=2, shuffle=True, num_workers=2, collate_fn=list,
+                    multiprocessing_context="fork",
+                )  # fmt: skip
+                seconds, count = _epoch(plain)
+                run = [
+                    {"reader": "sequential slices, 2 workers", "epoch": "every",
+                     "volumes/s": count / seconds, "volumes": count}
+                ]  # fmt: skip
+                dataset = fastload.RemoteDataset(
+                    root, group_by=r"^(sub-\d+)/", decode="dicom-series", incomplete="accept",
+                    cache=fastload.Cache(Path(tmp) / str(repeat), format="npy"),
+                    storage_options=options,
+                )  # fmt: skip
+                loader = fastload.DataLoader(dataset, batch_size=2, shuffle=True, collate_fn=list)
+                for epoch in ("cold", "warm"):
+                    seconds, count = _epoch(loader)
+                    run.append(
+                        {"reader": "fastload group_by + dicom-series", "epoch": epoch,
+                         "volumes/s": count / seconds, "volumes": count}
+                    )  # fmt: skip
+                runs.append(run)
+    return medians(runs, "volumes/s", "x sequential")
+
+
+def run_dicom(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return dicom_rows(4, progress) if quick else dicom_rows(24, progress, repeats=3)
+
+
 def run_groups(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return group_rows(60 if quick else 600, progress)
+    return group_rows(60, progress) if quick else group_rows(600, progress, repeats=3)

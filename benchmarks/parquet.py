@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, Dataset
 
 import fastload
+from benchmarks.groups import medians
 from fastload.sampler import block_locality
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, SeaweedS3Server
@@ -86,9 +87,10 @@ def _rate(loader: Any, limit: int | None = None) -> tuple[float, int]:
 
 
 def parquet_rows(
-    files: int, progress: Callable[[str], None], events: int = EVENTS
+    files: int, progress: Callable[[str], None], events: int = EVENTS, repeats: int = 1
 ) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    """Every reader ``repeats`` times, interleaved; the median rate of each."""
+    runs: list[list[dict[str, Any]]] = []
     with SeaweedS3Server() as server:
         server.create_bucket(BUCKET)
         root = f"s3://{BUCKET}/events"
@@ -99,48 +101,53 @@ def parquet_rows(
         )
         with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
             options = server.storage_options(proxy.endpoint)
-            for shuffle in (False, True):
-                progress(f"parquet: the user's per-sample reader, shuffle={shuffle}")
-                plain = DataLoader(
-                    PerSampleEvents(root, files, events, options), batch_size=BATCH, shuffle=shuffle,
-                    num_workers=2, collate_fn=_rows, multiprocessing_context="fork",
-                )  # fmt: skip
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", category=UserWarning)
-                    rate, count = _rate(plain, SLOW_BATCHES if shuffle else None)
-                rows.append(
-                    {
-                        "reader": f"per-sample reader, 2 workers, shuffle={shuffle}",
-                        "samples/s": rate,
-                        "samples timed": count,
-                        "requests": "",
-                        "shards per batch": "",
-                    }
+            for repeat in range(repeats):
+                progress(f"parquet: repeat {repeat + 1}/{repeats}")
+                runs.append(
+                    [
+                        _per_sample(root, files, events, options, shuffle=True),
+                        _per_sample(root, files, events, options, shuffle=False),
+                        _shards(root, options),
+                    ]
                 )
-            progress("parquet: fastload RemoteDataset(shards='parquet'), shuffle=True")
-            dataset = fastload.RemoteDataset(root, shards="parquet", storage_options=options)
-            before = dataset.fetcher.stats.requests
-            loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, collate_fn=_rows)
-            rate, count = _rate(loader)
-            stats = loader.stage_counters()
-            requests = stats.fetch.requests if stats is not None else -1
-            sampler = loader.sampler
-            assert isinstance(sampler, fastload.PermutationSampler)
-            locality = block_locality(sampler, BATCH, batches=len(dataset) // BATCH)
-            rows.append(
-                {
-                    "reader": "fastload shards='parquet', DataLoader defaults, shuffle=True",
-                    "samples/s": rate,
-                    "samples timed": count,
-                    "requests": requests - before,
-                    "shards per batch": locality["blocks_per_batch"],
-                }
-            )
-    shuffled = rows[1]["samples/s"]
-    for row in rows:
-        row["x per-sample shuffled"] = row["samples/s"] / shuffled
-    return rows
+    return medians(runs, "samples/s", "x per-sample shuffle=True")
+
+
+def _per_sample(
+    root: str, files: int, events: int, options: dict[str, Any], *, shuffle: bool
+) -> dict[str, Any]:
+    plain = DataLoader(
+        PerSampleEvents(root, files, events, options), batch_size=BATCH, shuffle=shuffle,
+        num_workers=2, collate_fn=_rows, multiprocessing_context="fork",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        rate, count = _rate(plain, SLOW_BATCHES if shuffle else None)
+    return {
+        "reader": f"per-sample reader, 2 workers, shuffle={shuffle}",
+        "samples/s": rate,
+        "samples timed": count,
+        "requests": "",
+        "shards per batch": "",
+    }
+
+
+def _shards(root: str, options: dict[str, Any]) -> dict[str, Any]:
+    dataset = fastload.RemoteDataset(root, shards="parquet", storage_options=options)
+    before = dataset.fetcher.stats.requests  # the footers
+    loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, collate_fn=_rows)
+    rate, count = _rate(loader)
+    stats = loader.stage_counters()
+    assert stats is not None and isinstance(loader.sampler, fastload.PermutationSampler)
+    locality = block_locality(loader.sampler, BATCH, batches=len(dataset) // BATCH)
+    return {
+        "reader": "fastload shards='parquet', DataLoader defaults, shuffle=True",
+        "samples/s": rate,
+        "samples timed": count,
+        "requests": stats.fetch.requests - before,
+        "shards per batch": locality["blocks_per_batch"],
+    }
 
 
 def run_parquet(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return parquet_rows(4 if quick else 50, progress)
+    return parquet_rows(4, progress) if quick else parquet_rows(50, progress, repeats=3)

@@ -46,6 +46,7 @@ def test_groups_benchmark_compares_plain_torch_groups_and_single_objects() -> No
 def test_parquet_benchmark_compares_the_per_sample_reader_with_shards() -> None:
     rows = parquet.parquet_rows(3, progress=lambda _: None, events=300)
     assert [row["samples timed"] for row in rows] == [900, 900, 900]  # 4 batches > 900
+    assert rows[0]["x per-sample shuffle=True"] == 1 and rows[0]["runs"] == 1
     assert rows[2]["requests"] == 3  # one row group per file, each read once
     assert 1 <= rows[2]["shards per batch"] <= 2.5
     assert all(row["samples/s"] > 0 for row in rows)
@@ -101,3 +102,13 @@ def test_volume_benchmark_compares_the_caches_with_the_baseline() -> None:
         "fastload",
     ]
     assert rows[0]["warm vs baseline"] == 1 and all(r["warm samples/s"] > 0 for r in rows)
+
+
+def test_dicom_benchmark_compares_the_sequential_reader_with_groups() -> None:
+    rows = groups.dicom_rows(2, progress=lambda _: None)
+    assert [(row["epoch"], row["volumes"]) for row in rows] == [
+        ("every", 2),
+        ("cold", 2),
+        ("warm", 2),
+    ]
+    assert all(row["volumes/s"] > 0 for row in rows)

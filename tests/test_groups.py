@@ -335,3 +335,30 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
         assert label == 1 - i
     single = RemoteDataset(root, decode="dicom", storage_options=options, limit=1)
     assert single[0].shape == (8, 9)
+
+
+def test_a_saved_manifest_keeps_the_grouping(
+    seaweed: S3Server, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = f"s3://{BUCKET}/saved-groups-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    first = RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+    first.manifest.save(tmp_path / "m.npz")
+    loaded = fastload.Manifest.load(tmp_path / "m.npz", url=root)
+    assert loaded.grouping is not None and len(loaded.grouping.names) == len(FIELDS)
+
+    def no_grouping(*args: Any) -> None:
+        raise AssertionError("grouped again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("fastload.sources.groups._group", no_grouping)
+        again = RemoteDataset(loaded, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+        assert [again.source[i] for i in range(len(again))] == [
+            first.source[i] for i in range(len(first))
+        ]
+        with pytest.raises(AssertionError, match="grouped again"):  # another rule: grouped anew
+            RemoteDataset(loaded, group_by=r"(.*)_ch\d", decode="tiff", storage_options=options)
+    other = RemoteDataset(loaded, group_by=r"(.*)_ch\d", decode="tiff", storage_options=options)
+    assert len(other) == len(FIELDS)
+    assert loaded[:3].grouping is None  # a derived manifest has other entries: no grouping

@@ -275,8 +275,7 @@ class RemoteDataset(_Batched):
             if isinstance(decode, Mapping):
                 raise ConfigError("decode as a mapping of member patterns needs group_by or shards")
         else:
-            self.manifest = manifest
-            self.source = Groups(
+            groups = Groups(
                 manifest,
                 group_by,
                 incomplete=incomplete,
@@ -285,6 +284,8 @@ class RemoteDataset(_Batched):
                 label_key=label_key,
                 label_field=label_field,
             )
+            self.manifest = groups.manifest  # with the grouping: save it to skip grouping again
+            self.source = groups
         self.decode = _decoder(decode, self.source)
         self._length = len(self.source) if limit is None else min(limit, len(self.source))
         if self._length == 0:

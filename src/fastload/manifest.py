@@ -28,7 +28,7 @@ from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
-__all__ = ["Entry", "Manifest", "ManifestChanges"]
+__all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges"]
 
 FORMAT = "fastload-manifest/1"
 T = TypeVar("T")
@@ -82,6 +82,32 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Grouping:
+    """Samples made of several entries (``RemoteDataset(group_by=...)``), kept with a manifest
+    so that a saved one is not grouped again: the rule that made it, each group's name, and
+    the entry indices of each group's members (``members[ends[i-1]:ends[i]]``)."""
+
+    rule: str
+    names: Strings
+    members: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, rule: str, groups: Sequence[tuple[str, Sequence[int]]]) -> Grouping:
+        members = np.asarray([i for _, idx in groups for i in idx], dtype=np.int64)
+        ends = np.cumsum([len(idx) for _, idx in groups], dtype=np.int64)
+        return cls(rule, Strings.of([name for name, _ in groups]), members, ends)
+
+    def groups(self) -> list[tuple[str, list[int]]]:
+        starts = [0, *self.ends[:-1].tolist()]
+        members = self.members.tolist()
+        return [
+            (name, members[a:b])
+            for name, a, b in zip(self.names.tolist(), starts, self.ends.tolist(), strict=True)
+        ]
+
+
+@dataclass(frozen=True)
 class ManifestChanges:
     """What :meth:`Manifest.refresh` found: counts of keys added, removed and changed."""
 
@@ -107,8 +133,10 @@ class Manifest(Sequence[Entry]):
         *,
         labels: Sequence[int] | np.ndarray | None = None,
         classes: Sequence[str] | None = None,
+        grouping: Grouping | None = None,
     ) -> None:
         self.root = str(parse_url(root)).rstrip("/")
+        self.grouping = grouping
         self._keys = keys if isinstance(keys, Strings) else Strings.of(list(keys))
         self._versions = versions if isinstance(versions, Strings) else Strings.of(versions)
         self._sizes = np.asarray(sizes, dtype=np.int64)
@@ -328,6 +356,20 @@ class Manifest(Sequence[Entry]):
             classes=classes,
         )
 
+    def with_grouping(self, grouping: Grouping) -> Manifest:
+        """This manifest carrying ``grouping`` (saved with it; dropped by any derived one)."""
+        if len(grouping.members) and int(grouping.members.max()) >= len(self):
+            raise ConfigError(f"a grouping of other entries does not fit {self!r}")
+        return Manifest(
+            self.root,
+            self._keys,
+            self._sizes,
+            self._versions,
+            labels=self._labels,
+            classes=self.classes,
+            grouping=grouping,
+        )
+
     def _identities(self) -> dict[str, tuple[int, str]]:
         identity = zip(self._sizes.tolist(), self._versions.tolist(), strict=True)
         return dict(zip(self.keys(), identity, strict=True))
@@ -343,6 +385,7 @@ class Manifest(Sequence[Entry]):
             "count": len(self),
             "fingerprint": self.fingerprint,
             "classes": self.classes,
+            "grouping": None if self.grouping is None else self.grouping.rule,
         }
         arrays = {
             "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
@@ -354,6 +397,11 @@ class Manifest(Sequence[Entry]):
         }
         if self._labels is not None:
             arrays["labels"] = self._labels
+        if self.grouping is not None:
+            arrays["group_name_blob"] = self.grouping.names.blob
+            arrays["group_name_ends"] = self.grouping.names.ends
+            arrays["group_members"] = self.grouping.members
+            arrays["group_ends"] = self.grouping.ends
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
@@ -400,6 +448,7 @@ class Manifest(Sequence[Entry]):
                 Strings(data["version_blob"], data["version_ends"]),
                 labels=data.get("labels"),
                 classes=meta.get("classes"),
+                grouping=_grouping(meta, data),
             )
         return manifest, meta
 
@@ -416,6 +465,13 @@ class Manifest(Sequence[Entry]):
         removed = len(before.keys() - after.keys())
         changed = sum(1 for k in after.keys() & before.keys() if after[k] != before[k])
         return ManifestChanges(added, removed, changed, new)
+
+
+def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:
+    if meta.get("grouping") is None:
+        return None
+    names = Strings(data["group_name_blob"], data["group_name_ends"])
+    return Grouping(str(meta["grouping"]), names, data["group_members"], data["group_ends"])
 
 
 def _find(fs: Any, root: StoreURL) -> list[Listed]:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetch import Fetcher
-from fastload.manifest import Manifest, read_labels
+from fastload.manifest import Grouping, Manifest, read_labels
 from fastload.sources import Part, Sample, read_objects
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
@@ -55,12 +55,21 @@ class Groups:
         if incomplete not in ("raise", "skip", "accept"):
             raise ConfigError(f"incomplete must be 'raise', 'skip' or 'accept', got {incomplete!r}")
         self.root = manifest.root
+        rule = _rule(group_by, incomplete, members)
+        saved = manifest.grouping
+        if saved is not None and saved.rule == rule:
+            found = saved.groups()
+            log.info("%s: %d groups as saved with the manifest (%s)", self.root, len(found), rule)
+        else:
+            keys = manifest.keys()
+            groups = _group(keys, manifest.root, group_by)
+            groups = _check_complete(groups, keys, manifest.root, incomplete, members)
+            found = [(name, groups[name]) for name in sorted(groups)]
+            if rule is not None:  # saving the manifest keeps it: a restart does not group again
+                manifest = manifest.with_grouping(Grouping.of(rule, found))
         self.manifest = manifest
-        keys = manifest.keys()
-        groups = _group(keys, manifest.root, group_by)
-        groups = _check_complete(groups, keys, manifest.root, incomplete, members)
-        self.names = sorted(groups)
-        self._members = [groups[name] for name in self.names]
+        self.names = [name for name, _ in found]
+        self._members = [idx for _, idx in found]
         self.classes: tuple[str, ...] | None = None
         self._labels: list[int] | None = None
         if labels is not None:
@@ -113,6 +122,19 @@ class Groups:
         index = {c: i for i, c in enumerate(classes)}
         self.classes = tuple(classes)
         self._labels = [index[str(v)] for v in values]
+
+
+def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str | None:
+    """What identifies a grouping (None: a callable whose code cannot be fingerprinted)."""
+    try:
+        if isinstance(group_by, (str, re.Pattern)):
+            pattern = re.compile(group_by)
+            what = f"re:{pattern.pattern}/{int(pattern.flags)}"
+        else:
+            what = f"fn:{fingerprint(group_by)}"
+    except (re.error, ConfigError, TypeError):  # grouping says what is wrong with it
+        return None
+    return f"{what}|incomplete={incomplete}|members={members!r}"
 
 
 def _members(sample: Sample, bodies: Sequence[bytes]) -> dict[str, bytes]:
