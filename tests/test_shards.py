@@ -179,6 +179,16 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with pytest.raises(ShardError, match=r"member 'LICENSE' has no basename.extension.*b\.tar"):
         RemoteDataset(root, shards="tar", storage_options=options)
 
+    apart = io.BytesIO()  # a sample whose members are not adjacent would be two samples
+    with tarfile.open(fileobj=apart, mode="w") as tar:
+        for name in ("a.jpg", "b.jpg", "a.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    write(root, options, {"b.tar": apart.getvalue()})
+    with pytest.raises(ShardError, match=r"sample 'a' comes twice .*b\.tar"):
+        RemoteDataset(root, shards="tar", storage_options=options)
+
     write(root, options, {"b.tar": tar_shard(10, 10)})
     dataset = RemoteDataset(root, shards="tar", storage_options=options)
     shifted = tar_shard(0, 10)  # same size, other content: the members moved by one sample
@@ -335,3 +345,27 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
         RemoteDataset(root, shards="parquet", row_key="evt", storage_options=options)
     with pytest.raises(ConfigError, match="needs shards='parquet'"):
         RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)
+
+
+def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
+    moto: S3Server,
+) -> None:
+    root = f"s3://{BUCKET}/hops-{uuid.uuid4().hex[:8]}"
+    options = moto.storage_options()
+    large = io.BytesIO()
+    with tarfile.open(fileobj=large, mode="w") as tar:
+        for n in range(6):  # 4 MB videos: the headers are 512 bytes of 24 MB
+            body = bytes([n]) * (4 << 20)
+            info = tarfile.TarInfo(f"clip-{n}.mp4")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    write(root, options, {"large.tar": large.getvalue(), "small.tar": tar_shard(0, 40)})
+    for name, most_requests, most_bytes in (("large", 8, 2 << 20), ("small", 3, 4 << 20)):
+        dataset = RemoteDataset(
+            fastload.Manifest.build(root, storage_options=options).filter(pattern=f"{name}.tar"),
+            shards="tar",
+            storage_options=options,
+        )
+        stats = dataset.fetcher.stats
+        assert stats.requests <= most_requests and stats.bytes <= most_bytes, (name, stats)
+    assert len(dataset) == 40

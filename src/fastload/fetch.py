@@ -80,6 +80,8 @@ def _as_request(item: str | Request) -> Request:
 class Fetcher:
     """Concurrent, retrying reads through the per-process filesystems of :mod:`fastload.stores`.
 
+    ``config`` defaults to :meth:`FetchConfig.from_env` (``FASTLOAD_FETCH_*``), as everywhere.
+
     One Fetcher may be shared by threads; its :attr:`stats` add up everything it did.
     """
 
@@ -89,7 +91,7 @@ class Fetcher:
         config: FetchConfig | None = None,
     ) -> None:
         self.storage_options = dict(storage_options or {})
-        self.config = config or FetchConfig()
+        self.config = config or FetchConfig.from_env()
         self.stats = FetchStats()
 
     def fetch(

@@ -59,23 +59,8 @@ class TarShards(Shards):
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
         header, data, size, crc = (index[k].tolist() for k in ("header", "data", "size", "crc"))
-        runs: list[tuple[str, list[tuple[str, int]]]] = []  # key, (extension, member)
-        for i, name in enumerate(names):
-            found = _BASENAME.match(name)
-            if found is None:
-                self._bad(entry, f"member {name!r} has no basename.extension to group it by")
-                continue
-            key, ext = found.groups()
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append((ext, i))
-            else:
-                runs.append((key, [(ext, i)]))
         chunk = (-1, 0, 0)  # first sample, start, end
-        for key, members in runs:
-            exts = [ext for ext, _ in members]
-            if len(set(exts)) < len(exts):
-                self._bad(entry, f"sample {key!r} has two members named alike: {exts}")
-                continue
+        for key, members in self._samples_of(entry, names):
             start = header[members[0][1]]
             end = max(data[i] + size[i] for _, i in members)
             first, chunk_start, chunk_end = chunk
@@ -96,6 +81,33 @@ class TarShards(Shards):
             self._count += 1
         if chunk[0] >= 0:
             self._chunk(shard, *chunk)
+
+    def _samples_of(
+        self, entry: Entry, names: list[str]
+    ) -> list[tuple[str, list[tuple[str, int]]]]:
+        """The shard's samples: runs of members sharing a key, as (key, [(extension, member)])."""
+        runs: list[tuple[str, list[tuple[str, int]]]] = []
+        for i, name in enumerate(names):
+            found = _BASENAME.match(name)
+            if found is None:
+                self._bad(entry, f"member {name!r} has no basename.extension to group it by")
+                continue
+            key, ext = found.groups()
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append((ext, i))
+            else:
+                runs.append((key, [(ext, i)]))
+        good, seen = [], set()
+        for key, members in runs:
+            exts = [ext for ext, _ in members]
+            if len(set(exts)) < len(exts):
+                self._bad(entry, f"sample {key!r} has two members named alike: {exts}")
+            elif key in seen:  # one name, two samples: they would share a cache entry
+                self._bad(entry, f"sample {key!r} comes twice (its members are not adjacent)")
+            else:
+                seen.add(key)
+                good.append((key, members))
+        return good
 
     def _name(self, index: int) -> str:
         return self._keys[index]

@@ -242,8 +242,9 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             with _translated(path):
                 range_ = None if end is None else (start, end - 1)
                 downloaded = bucket.download_file_by_name(key, range_=range_)
-                try:
-                    downloaded.save(buffer)
+                try:  # no seeking: b2sdk's parallel strategy would start a writer thread and
+                    # hash the body a second time for every object; fastload runs reads at once
+                    downloaded.save(buffer, allow_seeking=False)
                 finally:  # a body cut short must not leave its connection to the GC
                     downloaded.response.close()
         except StoreError as exc:
