@@ -31,6 +31,7 @@ SCENARIOS = {
     "groups": groups.run_groups,
     "dicom": groups.run_dicom,
     "shards": peers.run_shards,
+    "peer-workers": peers.run_peer_workers,
     "parquet": parquet.run_parquet,
 }
 RESULTS = Path(__file__).with_name("results")

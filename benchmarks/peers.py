@@ -87,6 +87,7 @@ class Spec:
     epochs: int = 2  # the first is cold
     preprocess: bool = False  # apply PREPROCESS (the volumes scenario)
     cache_format: str = "npy"  # fastload's
+    workers: int = WORKERS  # the peers' DataLoader workers
 
 
 def _load(body: bytes) -> torch.Tensor:
@@ -122,7 +123,7 @@ class FsspecArrays(Dataset[torch.Tensor]):
 def _torch_fsspec(spec: Spec, *, cached: bool) -> Iterable[Any]:
     dataset = FsspecArrays(spec, cached=cached)
     return DataLoader(
-        dataset, batch_size=spec.batch, sampler=RandomSampler(dataset), num_workers=WORKERS
+        dataset, batch_size=spec.batch, sampler=RandomSampler(dataset), num_workers=spec.workers
     )
 
 
@@ -137,7 +138,7 @@ def _s3torchconnector(spec: Spec) -> Iterable[Any]:
         transform=lambda obj: _load(obj.read()),
     )
     return DataLoader(
-        dataset, batch_size=BATCH, sampler=RandomSampler(dataset), num_workers=WORKERS
+        dataset, batch_size=BATCH, sampler=RandomSampler(dataset), num_workers=spec.workers
     )
 
 
@@ -154,7 +155,7 @@ def _litdata(spec: Spec) -> Iterable[Any]:
         shuffle=True,
         storage_options={"endpoint_url": spec.options["endpoint_url"]},
     )
-    return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)
+    return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=spec.workers)
 
 
 def _mosaic_modules() -> Any:
@@ -183,7 +184,7 @@ def _mosaic(spec: Spec) -> Iterable[Any]:
     return DataLoader(
         dataset,
         batch_size=BATCH,
-        num_workers=WORKERS,
+        num_workers=spec.workers,
         collate_fn=lambda rows: torch.from_numpy(np.stack([r["x"] for r in rows])),
     )
 
@@ -230,6 +231,9 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
         _fastload_tar,
     ),
 }
+
+
+PEER_READERS = tuple(r for r in READERS if r != "fastload-tar")  # tar: the shards scenario
 
 
 def _epochs(spec: Spec) -> dict[str, Any]:
@@ -373,7 +377,11 @@ def _credentials(server: Any, endpoint: str) -> dict[str, str]:
 
 
 def store_rows(
-    store: str, n: int, repeats: int, progress: Callable[[str], None], only: Iterable[str] = READERS
+    store: str,
+    n: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    only: Iterable[str] = PEER_READERS,
 ) -> list[dict[str, Any]]:
     readers = [r for r in only if store == "s3" or r not in S3_ONLY]
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in readers}
@@ -454,7 +462,7 @@ def peer_rows(
     n: int,
     repeats: dict[str, int],
     progress: Callable[[str], None],
-    only: Iterable[str] = READERS,
+    only: Iterable[str] = PEER_READERS,
 ) -> list[dict[str, Any]]:
     """The table for each store in ``repeats`` (store -> repeats), for the readers ``only``."""
     rows = []
@@ -469,6 +477,44 @@ def with_ratios(rows: list[dict[str, Any]], base: str = "torch") -> list[dict[st
         for kind in ("cold", "warm"):
             row[f"{kind} vs {base}"] = row[f"{kind} samples/s"] / rows[0][f"{kind} samples/s"]
     return rows
+
+
+def worker_rows(
+    n: int, counts: tuple[int, ...], progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """LitData and Mosaic at each DataLoader worker count in ``counts`` (S3, one run each): is
+    2 workers, what the peers tables use on 2 cores, their best?"""
+    rows = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        objects_on("s3", n, sample_array, Faults(latency=LATENCY)) as (server, proxy, root),
+    ):
+        work = Path(tmp)
+        options = server.storage_options(proxy.endpoint)
+        Manifest.build(root, storage_options=options).save(work / "manifest.npz")
+        _convert_litdata(root, options, n, work)
+        _convert_mosaic(root, options, n, work)
+        for reader in ("litdata", "mosaic"):
+            for workers in counts:
+                progress(f"workers: {reader}, {workers} workers")
+                run = work / f"{reader}-{workers}"
+                run.mkdir()
+                spec = Spec(
+                    reader, "s3", root, options, str(work / "manifest.npz"), str(run), n,
+                    _credentials(server, proxy.endpoint), workers=workers,
+                )  # fmt: skip
+                try:
+                    rows.append(
+                        {"reader": reader, "workers": workers, **summary([run_reader(spec)])}
+                    )
+                except ReaderFailed as exc:
+                    rows.append({"reader": reader, "workers": workers, "failed": str(exc)[-120:]})
+                shutil.rmtree(run)
+    return rows
+
+
+def run_peer_workers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return worker_rows(64 if quick else 2000, (1, 2) if quick else (1, 2, 4), progress)
 
 
 def run_shards(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -200,9 +200,10 @@ class _RangedFile:
             return b""
         buffer_end = self.buffer_start + len(self.buffer)
         if not self.buffer_start <= offset or end > buffer_end:
-            jumped = offset >= buffer_end + self.window
-            self.window = max(_MIN_WINDOW, self.window // 4) if jumped else self.window * 2
-            self.window = min(self.window, _MAX_WINDOW)
+            if self.requests:  # learn from the last window: members were large, or small
+                jumped = offset >= buffer_end + self.window
+                self.window = max(_MIN_WINDOW, self.window // 4) if jumped else self.window * 2
+                self.window = min(self.window, _MAX_WINDOW)
             stop = min(max(end, offset + self.window), self.shard.size)
             request = Request(self.shard.url, offset, stop, size=self.shard.size)
             (self.buffer,) = self.fetcher.fetch([request])
