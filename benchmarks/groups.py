@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastload
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FaultProxy, Faults, SeaweedS3Server
+from fastload.testing.dicom import ct_slice
 
 BUCKET = "fastload-bench"
 CHANNELS = 5
@@ -189,30 +190,6 @@ DICOM_BANDWIDTH = 20e6  # bytes/s per response
 DICOM_SHAPE = (256, 256)
 
 
-def _dicom_slice(value: np.ndarray, z: float, instance: int) -> bytes:
-    """A CT slice: 16-bit stored values, rescale slope 1 and intercept -1024."""
-    from pydicom.dataset import FileDataset, FileMetaDataset  # noqa: PLC0415 (the dicom extra)
-    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid  # noqa: PLC0415
-
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = FileDataset("slice", {}, file_meta=meta, preamble=b"\0" * 128)
-    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID
-    ds.Modality, ds.InstanceNumber = "CT", instance
-    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
-    ds.ImagePositionPatient = [0.0, 0.0, z]
-    ds.Rows, ds.Columns = value.shape
-    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
-    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
-    ds.RescaleSlope, ds.RescaleIntercept = 1, -1024
-    ds.PixelData = value.astype(np.uint16).tobytes()
-    out = io.BytesIO()
-    ds.save_as(out, enforce_file_format=True)
-    return out.getvalue()
-
-
 def _series(volumes: int) -> dict[str, bytes]:
     objects = {}
     for v in range(volumes):
@@ -220,7 +197,9 @@ def _series(volumes: int) -> dict[str, bytes]:
         slices = int(rng.integers(40, 61))
         for name, z in enumerate(rng.permutation(slices)):  # names not in slice order
             value = rng.integers(0, 4096, DICOM_SHAPE, dtype=np.uint16)
-            objects[f"sub-{v:02d}/ses-1/IM{name:04d}.dcm"] = _dicom_slice(value, 2.5 * z, z + 1)
+            objects[f"sub-{v:02d}/ses-1/IM{name:04d}.dcm"] = ct_slice(
+                value, z=2.5 * z, instance=z + 1
+            )
     return objects
 
 

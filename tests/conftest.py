@@ -6,10 +6,13 @@ import os
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, MotoS3Server, SeaweedS3Server
 
 BUCKET = "fastload-test"
@@ -41,3 +44,23 @@ def b2() -> Iterator[B2Server]:
     with B2Server() as server:
         server.create_bucket(BUCKET)
         yield server
+
+
+@pytest.fixture(params=["s3", "gcs", "b2"])
+def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """A fresh root on SeaweedFS, fake-gcs-server and the B2 server in turn, and its options."""
+    scheme, server = {
+        "s3": ("s3", "seaweed"),
+        "gcs": ("gs", "gcs"),
+        "b2": ("b2", "b2"),
+    }[request.param]
+    options = request.getfixturevalue(server).storage_options()
+    module = request.node.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return f"{scheme}://{BUCKET}/{module}-{uuid.uuid4().hex[:8]}", options
+
+
+def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
+    """Put ``objects`` ({key relative to root: body}) under ``root``."""
+    fs = filesystem(root, options)
+    base = fs._strip_protocol(root)
+    fs.pipe({f"{base}/{key}": body for key, body in objects.items()})

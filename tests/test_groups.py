@@ -18,7 +18,8 @@ import fastload
 from fastload import Cache, ConfigError, ObjectNotFoundError, RemoteDataset
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, S3Server
-from tests.conftest import BUCKET
+from fastload.testing.dicom import ct_slice
+from tests.conftest import BUCKET, write
 
 CHANNELS = 5
 FIELDS = [f"plate1/{well}/f{f}" for well in ("A01", "A02", "B01") for f in range(1, 5)]
@@ -37,12 +38,6 @@ def channel(field: str, c: int) -> np.ndarray:
     return np.full((24, 20), base, np.uint16) + np.arange(20, dtype=np.uint16)
 
 
-def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
-    fs = filesystem(root, options)
-    base = fs._strip_protocol(root)
-    fs.pipe({f"{base}/{key}": body for key, body in objects.items()})
-
-
 def cell_painting(root: str, options: dict[str, Any]) -> dict[str, bytes]:
     objects = {
         f"{field}_ch{c}.tiff": tiff(channel(field, c))
@@ -52,17 +47,6 @@ def cell_painting(root: str, options: dict[str, Any]) -> dict[str, bytes]:
     objects["plate1/metadata.csv"] = b"plate,wells\nplate1,3\n"  # not a sample
     write(root, options, objects)
     return objects
-
-
-@pytest.fixture(params=["s3", "gcs", "b2"])
-def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    server: S3Server | FakeGcsServer | B2Server
-    scheme, server = {
-        "s3": ("s3", request.getfixturevalue("seaweed")),
-        "gcs": ("gs", request.getfixturevalue("gcs")),
-        "b2": ("b2", request.getfixturevalue("b2")),
-    }[request.param]
-    return f"{scheme}://{BUCKET}/groups-{uuid.uuid4().hex[:8]}", server.storage_options()
 
 
 def test_channels_of_a_field_are_one_sample(
@@ -282,30 +266,6 @@ def test_warm_cache_cli_warms_a_cached_dataset_from_a_module_beside_the_user(
     assert len(Cache(tmp_path / "c")) == 30
 
 
-def dicom_slice(value: np.ndarray, z: float, instance: int) -> bytes:
-    """A CT-like slice: 16-bit stored values, rescale slope 2 and intercept -1024."""
-    from pydicom.dataset import FileDataset, FileMetaDataset
-    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
-
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = FileDataset("slice", {}, file_meta=meta, preamble=b"\0" * 128)
-    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID
-    ds.Modality, ds.InstanceNumber = "CT", instance
-    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
-    ds.ImagePositionPatient = [0.0, 0.0, z]
-    ds.Rows, ds.Columns = value.shape
-    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
-    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
-    ds.RescaleSlope, ds.RescaleIntercept = 2, -1024
-    ds.PixelData = value.astype(np.uint16).tobytes()
-    out = io.BytesIO()
-    ds.save_as(out, enforce_file_format=True)
-    return out.getvalue()
-
-
 def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
     root = f"b2://{BUCKET}/dicom-{uuid.uuid4().hex[:8]}"
     options = b2.storage_options()
@@ -315,8 +275,8 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
         order = rng.permutation(n)  # file names do not follow the slice position
         stored = rng.integers(0, 4096, (n, 8, 9))
         for name_index, z_index in enumerate(order):
-            objects[f"{sub}/series/IM{name_index:04d}.dcm"] = dicom_slice(
-                stored[z_index], z=-50.0 + 2.5 * z_index, instance=int(z_index) + 1
+            objects[f"{sub}/series/IM{name_index:04d}.dcm"] = ct_slice(
+                stored[z_index], z=-50.0 + 2.5 * z_index, instance=int(z_index) + 1, slope=2
             )
         truth[sub] = stored * 2.0 - 1024  # Hounsfield units
     write(root, options, objects)

@@ -18,9 +18,8 @@ import pytest
 import fastload
 from fastload import Cache, ChunkConfig, ConfigError, RemoteDataset, ShardError
 from fastload.sampler import PermutationSampler, block_locality
-from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, S3Server
-from tests.conftest import BUCKET
+from tests.conftest import BUCKET, write
 
 SHARDS, PER_SHARD = 4, 25
 LONG = "x" * 120  # a name past ustar's 100 characters: a PAX header in front of the member
@@ -60,12 +59,6 @@ def tar_shard(first: int, count: int) -> bytes:
     return out.getvalue()
 
 
-def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
-    fs = filesystem(root, options)
-    base = fs._strip_protocol(root)
-    fs.pipe({f"{base}/{k}": body for k, body in objects.items()})
-
-
 def tar_dataset(root: str, options: dict[str, Any]) -> dict[str, bytes]:
     objects = {
         f"train/shard-{s:03d}.tar": tar_shard(s * PER_SHARD, PER_SHARD) for s in range(SHARDS)
@@ -76,17 +69,6 @@ def tar_dataset(root: str, options: dict[str, Any]) -> dict[str, bytes]:
 
 
 DECODE = {"npy": fastload.transforms.decode_npy, "cls": int, "meta.json": json.loads}
-
-
-@pytest.fixture(params=["s3", "gcs", "b2"])
-def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    server: S3Server | FakeGcsServer | B2Server
-    scheme, server = {
-        "s3": ("s3", request.getfixturevalue("seaweed")),
-        "gcs": ("gs", request.getfixturevalue("gcs")),
-        "b2": ("b2", request.getfixturevalue("b2")),
-    }[request.param]
-    return f"{scheme}://{BUCKET}/shards-{uuid.uuid4().hex[:8]}", server.storage_options()
 
 
 def test_tar_shards_read_in_place_one_read_per_chunk(

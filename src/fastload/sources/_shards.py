@@ -8,6 +8,7 @@ memory (``_load``, ``_weigh``) and how a sample is taken from it (``_payload``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -142,11 +143,12 @@ class Shards:
     def __len__(self) -> int:
         return self._count
 
-    def _chunk_of(self, indices: Sequence[int]) -> np.ndarray:
-        return np.searchsorted(self.blocks, np.asarray(indices, dtype=np.int64), side="right") - 1
+    def _chunk_of(self, index: int) -> int:
+        """The chunk holding sample ``index`` (a bisection of the chunks' first samples)."""
+        return bisect.bisect_right(self._firsts, index) - 1
 
     def __getitem__(self, index: int) -> Sample:
-        c = int(self._chunk_of([index])[0])
+        c = self._chunk_of(index)
         chunk, entry = self._chunks[c], self.shards[self._chunk_shard[c]]
         name = self._name(index)
         nbytes = (chunk.end - chunk.start) // max(1, self._samples_in(c))
@@ -158,7 +160,7 @@ class Shards:
         return stop - self._firsts[chunk]
 
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
-        chunk_ids = self._chunk_of([s.index for s in samples]).tolist()
+        chunk_ids = [self._chunk_of(s.index) for s in samples]
         loaded = self.reader.get([self._chunks[c] for c in chunk_ids], fetcher)
         out: list[Any] = []
         for sample, c in zip(samples, chunk_ids, strict=True):

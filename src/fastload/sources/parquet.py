@@ -165,7 +165,7 @@ class ParquetShards(Shards):
     def _name(self, index: int) -> str:
         if self.row_key is not None:
             return f"{self.row_key}={self._run_keys[index]}"
-        c = int(self._chunk_of([index])[0])
+        c = self._chunk_of(index)
         return f"row={index - self._firsts[c] + self._rows_before[c]}"
 
     def _load(self, chunk: Chunk, body: bytes) -> _RowGroup:
