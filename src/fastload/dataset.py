@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -19,10 +20,17 @@ from torch.utils.data import Dataset, get_worker_info
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
 from fastload.config import ChunkConfig, FetchConfig
-from fastload.errors import ConfigError, DecodeError, UnsupportedSampleError
+from fastload.errors import (
+    ConfigError,
+    DecodeError,
+    ObjectChangedError,
+    StoreError,
+    TransientStoreError,
+    UnsupportedSampleError,
+)
 from fastload.fetch import Fetcher
-from fastload.manifest import Manifest
-from fastload.sources import Sample, SampleSource
+from fastload.manifest import Manifest, current
+from fastload.sources import Sample, SampleSource, refreshed
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
 from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
@@ -36,6 +44,7 @@ __all__ = ["CachedDataset", "RemoteDataset"]
 log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
+OnChange = Literal["raise", "skip", "refresh"]
 ShardFormat = Literal["tar", "parquet"]
 _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
 PREFETCH_BATCHES = 4
@@ -53,6 +62,7 @@ class _Batched(Dataset[Any]):
 
     cache: Cache | None
     on_error: OnError
+    on_change: OnChange | None = None  # RemoteDataset's: changed objects, apart from on_error
     augment: Callable[[Any], Any] | None
     counters: DatasetStats
     _stages: StageCounters
@@ -98,13 +108,9 @@ class _Batched(Dataset[Any]):
         return index % len(self)
 
     def _settle(self, indices: list[int], items: list[Any]) -> list[Any]:
-        """Raise the first failure, or (on_error="skip") put stand-ins in the failed slots."""
-        failed = [i for i, item in enumerate(items) if isinstance(item, BaseException)]
-        if self.on_error == "raise":
-            raise items[failed[0]]
-        for i in failed:
-            self._skip(items[i])
-        good = [item for item in items if not isinstance(item, BaseException)]
+        """Raise the first failure that may not be skipped, or put stand-ins in the failed
+        slots (``on_error="skip"``, ``on_change="skip"``)."""
+        good = self._skipped(items)
         if not good:
             good = self._stand_ins(indices[0])
         return [
@@ -112,23 +118,38 @@ class _Batched(Dataset[Any]):
             for i, item in enumerate(items)
         ]
 
+    def _skipped(self, items: list[Any]) -> list[Any]:
+        """The good ``items``, after skipping the failed ones, or the failure to raise.
+
+        A transient failure (the store answered nothing good within the retry budget) is
+        skipped, as a quarantined object, only beside samples that were read: when nothing
+        could be read, the store is out, and an outage is never a bad object.
+        """
+        good = [item for item in items if not isinstance(item, BaseException)]
+        failed = [item for item in items if isinstance(item, BaseException)]
+        for error in failed:
+            policy = self.on_error
+            if isinstance(error, ObjectChangedError) and self.on_change in ("raise", "skip"):
+                policy = self.on_change
+            if policy == "raise" or (not good and isinstance(error, TransientStoreError)):
+                raise error
+        for error in failed:
+            self._skip(error)
+        return good
+
     def _skip(self, error: BaseException) -> None:
         key = str(getattr(error, "url", "") or error)
         self.counters.skipped += 1
         if key not in self.counters.skipped_keys:
             self.counters.skipped_keys.append(key)
-            log.warning("skipping a sample (on_error='skip'): %s", error)
+            log.warning("skipping a sample: %s", error)
 
     def _stand_ins(self, index: int) -> list[Any]:
         """Samples after ``index`` for a batch in which every sample failed."""
         n = len(self)
         for step in range(1, _REPLACE_ROUNDS + 1):
             candidates = [(index + step * k) % n for k in range(1, 5)]
-            items = self._items(candidates)
-            for item in items:
-                if isinstance(item, BaseException):
-                    self._skip(item)
-            good = [item for item in items if not isinstance(item, BaseException)]
+            good = self._skipped(self._items(candidates))
             if good:
                 return good
         raise ConfigError(
@@ -207,6 +228,12 @@ class RemoteDataset(_Batched):
     on_error: ``"raise"`` stops at the first sample that cannot be fetched or decoded;
         ``"skip"`` puts another sample of the batch in its place (batches keep their size), logs
         its name once and lists it in :meth:`stats` (a group is skipped whole).
+    on_change: what to do with an object replaced since the manifest was listed (its bytes are
+        never used under the old version): ``"raise"`` :class:`fastload.ObjectChangedError`,
+        ``"skip"`` it as ``on_error="skip"`` does, or ``"refresh"``: read its current version
+        (one stat) and cache it under that, counted in ``stats()["refreshed"]``; shards cannot
+        be refreshed mid-epoch (their samples would move): list them again. Default: as
+        ``on_error``.
     limit: use only the first ``limit`` samples (a quick debug run).
     """
 
@@ -231,16 +258,12 @@ class RemoteDataset(_Batched):
         row_key: str | None = None,
         chunks: ChunkConfig | None = None,
         on_error: OnError = "raise",
+        on_change: OnChange | None = None,
         limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         fetch_config: FetchConfig | None = None,
     ) -> None:
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
-        if limit is not None and (type(limit) is not int or limit < 1):
-            raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
-        if cache is not None and not isinstance(cache, Cache):
-            raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
+        _check_policies(on_error, on_change, shards, limit, cache)
         if isinstance(source, Manifest):
             manifest = source
         elif isinstance(source, str):
@@ -295,6 +318,9 @@ class RemoteDataset(_Batched):
         self.augment = augment
         self.cache = cache
         self.on_error = on_error
+        self.on_change: OnChange = on_change or on_error
+        self._storage_options = dict(storage_options or {})
+        self._fresh: dict[int, Sample] = {}  # samples refreshed to their objects' new versions
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
         self.counters = DatasetStats()
         self._stages = StageCounters(
@@ -310,7 +336,10 @@ class RemoteDataset(_Batched):
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
     def _items(self, indices: list[int]) -> list[Any]:
-        return self._samples([self.source[i] for i in indices])
+        return self._samples([self._sample(i) for i in indices])
+
+    def _sample(self, index: int) -> Sample:
+        return self._fresh.get(index) or self.source[index]
 
     @property
     def blocks(self) -> np.ndarray | None:
@@ -326,27 +355,55 @@ class RemoteDataset(_Batched):
         return sum(part.size for i in indices for part in self.source[int(i)].parts)
 
     def _cache_name(self, index: int) -> str:
-        return self._name(self.source[index])
+        return self._name(self._sample(index))
 
     def _display(self, index: int) -> str:
-        return self.source[index].url
+        return self._sample(index).url
 
     def _name(self, sample: Sample) -> str:
         return Cache.name(sample.url, sample.version, self.fingerprint)
 
     def _samples(self, samples: list[Sample]) -> list[Any]:
         """Samples (with labels) in order; a failure sits in its slot as an exception."""
-        if self.cache is None:
-            made = self._produce(samples)
-        else:
-            names = [self._name(s) for s in samples]
-            made = self.cache.get_many(names, lambda pos: self._produce([samples[p] for p in pos]))
+        made = self._made(samples)
+        if self.on_change == "refresh":
+            made = self._refreshed(samples, made)
         if not self._labelled:
             return made
         return [
             m if isinstance(m, BaseException) else (m, s.label)
             for m, s in zip(made, samples, strict=True)
         ]
+
+    def _made(self, samples: list[Sample]) -> list[Any]:
+        if self.cache is None:
+            return self._produce(samples)
+        names = [self._name(s) for s in samples]
+        return self.cache.get_many(names, lambda pos: self._produce([samples[p] for p in pos]))
+
+    def _refreshed(self, samples: list[Sample], made: list[Any]) -> list[Any]:
+        """``made`` with each sample whose object changed read again at its current version."""
+        stale = [i for i, item in enumerate(made) if isinstance(item, ObjectChangedError)]
+        if not stale:
+            return made
+        fresh = []
+        for i in stale:
+            sample = samples[i]
+            try:
+                now = [replace(p, **current(p.url, self._storage_options)) for p in sample.parts]
+            except StoreError as exc:
+                made[i] = exc  # deleted since, say
+                continue
+            log.warning(
+                "%s changed since the manifest was built: reading its new version", sample.url
+            )
+            self._fresh[sample.index] = refreshed(sample, now)
+            fresh.append(i)
+        again = self._made([self._fresh[samples[i].index] for i in fresh])
+        self.counters.refreshed += sum(not isinstance(item, BaseException) for item in again)
+        for i, item in zip(fresh, again, strict=True):
+            made[i] = item
+        return made
 
     def _produce(self, samples: list[Sample]) -> list[Any]:
         """Read every sample of the batch at once (its source knows how), then decode and
@@ -377,6 +434,26 @@ class RemoteDataset(_Batched):
         if self.cache is not None:
             out["cache"] = self.cache.stats()
         return out
+
+
+def _check_policies(
+    on_error: object, on_change: object, shards: object, limit: object, cache: object
+) -> None:
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
+    if on_change not in (None, "raise", "skip", "refresh"):
+        raise ConfigError(
+            f"RemoteDataset on_change must be 'raise', 'skip' or 'refresh', got {on_change!r}"
+        )
+    if on_change == "refresh" and shards is not None:
+        raise ConfigError(
+            "on_change='refresh' cannot apply to shards (a changed shard's samples move): "
+            "build the manifest again, or use on_change='skip'"
+        )
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
+    if cache is not None and not isinstance(cache, Cache):
+        raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
 
 
 def _decoder(

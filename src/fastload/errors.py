@@ -18,6 +18,7 @@ __all__ = [
     "DecodeError",
     "FastloadError",
     "MissingExtraError",
+    "ObjectChangedError",
     "ObjectNotFoundError",
     "ServerStartError",
     "ShardError",
@@ -69,6 +70,12 @@ def _rebuild(cls: type[StoreError | DecodeError], text: str, url: str | None) ->
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """The object, prefix or bucket does not exist."""
+
+
+class ObjectChangedError(ObjectNotFoundError):
+    """The object is no longer the version the manifest indexed: it was replaced (or deleted)
+    since. Its bytes are never used under the old version; see ``on_change`` of
+    :class:`fastload.RemoteDataset` for the choices (raise, skip, refresh)."""
 
 
 class AccessDeniedError(StoreError, PermissionError):

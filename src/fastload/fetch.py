@@ -15,17 +15,17 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import fsspec.asyn
 from fsspec import AbstractFileSystem
 
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, TransientStoreError
+from fastload.errors import ConfigError, ObjectChangedError, TransientStoreError
 from fastload.stats import FetchStats
-from fastload.stores import StoreURL, _fast, fast_reader, filesystem, parse_url, translate
+from fastload.stores import StoreURL, _fast, _reads, fast_reader, filesystem, parse_url, translate
 from fastload.stores._perprocess import PerProcessCache
+from fastload.stores._reads import Body
 from fastload.stores._retry import retrying
 
 __all__ = ["Fetcher", "Request", "fetch"]
@@ -38,13 +38,15 @@ class Request:
     """One object, or the byte range ``[start, end)`` of it.
 
     ``size``, when known (e.g. from a Manifest), is the whole object's size: a body shorter than
-    expected is then treated as truncated and retried.
+    expected is then treated as truncated and retried. ``version``, when known, is the version
+    the manifest recorded: bytes of any other version raise :class:`ObjectChangedError`.
     """
 
     url: str
     start: int | None = None
     end: int | None = None
     size: int | None = None
+    version: str | None = None
 
     def expected_length(self) -> int | None:
         if self.size is None:
@@ -199,14 +201,11 @@ class Fetcher:
         assert error is not None
         raise error
 
-    def _call(self, request: Request, target: _Target) -> Awaitable[bytes]:
+    def _call(self, request: Request, target: _Target) -> Awaitable[Body]:
         start, end = request.start, request.end
         if target.fast is not None:
             return _fast.read(target.fast, target.key, start, end)
-        if target.fs.async_impl:
-            return target.fs._cat_file(target.path, start=start, end=end)  # type: ignore[no-any-return]
-        job = partial(target.fs.cat_file, target.path, start=start, end=end)
-        return asyncio.get_running_loop().run_in_executor(self._executor(), job)
+        return _reads.read(target.fs, target.path, (start, end), request.version, self._executor())
 
     async def _attempt(self, request: Request, target: _Target) -> bytes:
         start, end = request.start, request.end
@@ -215,16 +214,23 @@ class Fetcher:
         self.stats.requests += 1
         started = time.perf_counter()
         url = target.url
-        call = self._call(request, target)
         try:
-            data = bytes(await asyncio.wait_for(call, self.config.timeout))
+            body = await asyncio.wait_for(self._call(request, target), self.config.timeout)
         except asyncio.TimeoutError as exc:
             raise TransientStoreError(f"no answer within {self.config.timeout} s", url=url) from exc
+        if request.version and body.served and request.version not in body.served:
+            raise ObjectChangedError(
+                f"changed since the manifest was built (indexed version {request.version!r}, "
+                f"the store now serves {body.served[0]!r})",
+                url=url,
+            )
         expected = request.expected_length()
-        if expected is not None and len(data) != expected:
-            raise TransientStoreError(f"truncated body ({len(data)} of {expected} bytes)", url=url)
+        if expected is not None and len(body.data) != expected:
+            raise TransientStoreError(
+                f"truncated body ({len(body.data)} of {expected} bytes)", url=url
+            )
         self.stats.latency.add(time.perf_counter() - started)
-        return data
+        return body.data
 
 
 def fetch(

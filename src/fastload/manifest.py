@@ -25,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
+from fastload.fetch import Request
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
@@ -79,6 +80,11 @@ class Entry:
     version: str
     url: str
     label: int | None = None
+
+    def request(self, start: int | None = None, end: int | None = None) -> Request:
+        """A read of this object (or of its bytes ``[start, end)``) as it was listed: bytes of
+        another version raise :class:`fastload.ObjectChangedError`."""
+        return Request(self.url, start, end, size=self.size, version=self.version or None)
 
 
 @dataclass(frozen=True)
@@ -495,6 +501,20 @@ def _is_marker(entry: Listed) -> bool:
     if not entry.key or entry.key.endswith("/"):
         return True
     return entry.size == 0 and entry.key.rsplit("/", 1)[-1] in _MARKER_NAMES
+
+
+def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``size`` and ``version`` the object at ``url`` has now (one stat), named as a
+    listing names them."""
+    parsed = parse_url(url)
+    fs = filesystem(parsed, storage_options)
+    path = fs._strip_protocol(str(parsed))
+    fs.invalidate_cache(path)  # a listing cached by the client would tell the old version
+    try:
+        info = fs.info(path)
+    except Exception as exc:  # translated at the boundary, naming the object
+        raise translate(exc, url) from exc
+    return {"size": int(info.get("size") or 0), "version": _version(info)}
 
 
 def _version(info: Mapping[str, Any]) -> str:

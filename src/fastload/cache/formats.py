@@ -216,8 +216,10 @@ def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
         # torch.save writes a view's whole storage; keep only the view.
         return leaf.clone() if leaf.untyped_storage().nbytes() != leaf.nbytes else leaf
     try:
-        native = leaf.astype(leaf.dtype.newbyteorder("="), copy=False)
-        return torch.from_numpy(_contiguous(native))
+        native = _contiguous(leaf.astype(leaf.dtype.newbyteorder("="), copy=False))
+        if not native.flags.writeable:  # np.frombuffer's, say: torch warns, and would share it
+            native = native.copy()
+        return torch.from_numpy(native)
     except TypeError as exc:
         raise UnsupportedSampleError(
             f"array leaf {index} has dtype {leaf.dtype}, which format 'pt' cannot hold"

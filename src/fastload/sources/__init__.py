@@ -18,8 +18,9 @@ once (:func:`read_objects`), or chunks of shards. A source with chunks names the
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from fastload.errors import DecodeError, StoreError
 from fastload.fetch import Fetcher, Request
 
-__all__ = ["Part", "Sample", "SampleSource", "read_objects"]
+__all__ = ["Part", "Sample", "SampleSource", "group_version", "read_objects", "refreshed"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Part:
     key: str  # relative to the manifest's root
     url: str
     size: int  # bytes read for it (a whole object, or a sample's share of a chunk)
+    version: str = ""  # the object's, as listed
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,18 @@ class SampleSource(Protocol):
         """What ``decode`` receives for each sample, or the exception it failed with."""
 
 
+def group_version(parts: Sequence[Part]) -> str:
+    """A group's version: it changes when any member's key, version or size does."""
+    identity = "\0".join(f"{p.key}\0{p.version}\0{p.size}" for p in parts)
+    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def refreshed(sample: Sample, parts: Sequence[Part]) -> Sample:
+    """``sample`` made of its objects' current versions ``parts``."""
+    version = parts[0].version if len(parts) == 1 else group_version(parts)
+    return replace(sample, version=version, parts=tuple(parts))
+
+
 def read_objects(
     samples: Sequence[Sample],
     fetcher: Fetcher,
@@ -78,7 +92,11 @@ def read_objects(
 
     A sample whose part failed gets that failure (for a group: naming the group and member).
     """
-    requests = [Request(part.url, size=part.size) for s in samples for part in s.parts]
+    requests = [
+        Request(part.url, size=part.size, version=part.version or None)
+        for s in samples
+        for part in s.parts
+    ]
     bodies = fetcher.fetch(requests, return_exceptions=True)
     out, start = [], 0
     for sample in samples:

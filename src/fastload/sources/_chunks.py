@@ -115,7 +115,7 @@ class ChunkReader:
         return out
 
     def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
-        requests = [Request(c.url, c.start, c.end, size=c.size) for c in chunks]
+        requests = [Request(c.url, c.start, c.end, size=c.size, version=c.version) for c in chunks]
         self.reads += len(chunks)
         return fetcher.fetch(requests, return_exceptions=True)
 

@@ -152,7 +152,7 @@ class Shards:
         chunk, entry = self._chunks[c], self.shards[self._chunk_shard[c]]
         name = self._name(index)
         nbytes = (chunk.end - chunk.start) // max(1, self._samples_in(c))
-        part = Part(entry.key, entry.url, nbytes)
+        part = Part(entry.key, entry.url, nbytes, entry.version)
         return Sample(name, f"{entry.url}#{name}", entry.version, (part,), index=index)
 
     def _samples_in(self, chunk: int) -> int:

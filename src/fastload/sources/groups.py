@@ -14,7 +14,6 @@ out (logged), ``"accept"`` keeps them. ``members=`` states the roles (or their n
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import logging
 import re
 from collections import Counter
@@ -25,7 +24,7 @@ from typing import Any, Literal
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetch import Fetcher
 from fastload.manifest import Grouping, Manifest, read_labels
-from fastload.sources import Part, Sample, read_objects
+from fastload.sources import Part, Sample, group_version, read_objects
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
 __all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
@@ -81,11 +80,9 @@ class Groups:
     def __getitem__(self, index: int) -> Sample:
         name, members = self.names[index], self._members[index]
         entries = [self.manifest[i] for i in members]
-        identity = "\0".join(f"{e.key}\0{e.version}\0{e.size}" for e in entries)
-        version = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:24]
-        parts = tuple(Part(e.key, e.url, e.size) for e in entries)
+        parts = tuple(Part(e.key, e.url, e.size, e.version) for e in entries)
         label = None if self._labels is None else self._labels[index]
-        return Sample(name, f"{self.root}/{name}", version, parts, label, index)
+        return Sample(name, f"{self.root}/{name}", group_version(parts), parts, label, index)
 
     blocks = None
 

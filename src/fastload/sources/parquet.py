@@ -23,7 +23,7 @@ import numpy as np
 
 from fastload._extras import import_extra
 from fastload.errors import ShardError
-from fastload.fetch import Fetcher, Request
+from fastload.fetch import Fetcher
 from fastload.manifest import Entry, Manifest, Strings
 from fastload.sources._chunks import Chunk
 from fastload.sources._shards import Shards
@@ -93,7 +93,7 @@ class ParquetShards(Shards):
             )
         c = paths.index(self.row_key)
         ranges = [_column_range(group.column(c)) for group in groups]
-        requests = [Request(shard.url, a, b, size=shard.size) for a, b in ranges]
+        requests = [shard.request(a, b) for a, b in ranges]
         bodies = fetcher.fetch(requests)
         parts = {a: body for (a, _), body in zip(ranges, bodies, strict=True)}
         file = _parquet().ParquetFile(_Sparse(shard.size, parts), metadata=meta, pre_buffer=False)
@@ -210,7 +210,7 @@ def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
     if shard.size < 12:
         raise ShardError(f"not parquet: {shard.size} bytes is too short", url=shard.url)
     first = max(0, shard.size - _TAIL)
-    (tail,) = fetcher.fetch([Request(shard.url, first, shard.size, size=shard.size)])
+    (tail,) = fetcher.fetch([shard.request(first, shard.size)])
     if tail[-4:] != _MAGIC:
         raise ShardError("not parquet: the file does not end with PAR1", url=shard.url)
     length = int.from_bytes(tail[-8:-4], "little") + 8
@@ -218,7 +218,7 @@ def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
         raise ShardError(f"corrupt parquet footer (it claims {length} bytes)", url=shard.url)
     if length > len(tail):
         start = shard.size - length
-        (tail,) = fetcher.fetch([Request(shard.url, start, shard.size, size=shard.size)])
+        (tail,) = fetcher.fetch([shard.request(start, shard.size)])
     return bytes(tail[-length:])
 
 

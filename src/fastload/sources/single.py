@@ -25,7 +25,8 @@ class SingleObjects:
 
     def __getitem__(self, index: int) -> Sample:
         e = self.manifest[index]
-        return Sample(e.key, e.url, e.version, (Part(e.key, e.url, e.size),), e.label, index)
+        part = Part(e.key, e.url, e.size, e.version)
+        return Sample(e.key, e.url, e.version, (part,), e.label, index)
 
     blocks = None
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from fastload.errors import ShardError
-from fastload.fetch import Fetcher, Request
+from fastload.fetch import Fetcher
 from fastload.manifest import Entry, Strings
 from fastload.sources._shards import Shards
 
@@ -205,7 +205,7 @@ class _RangedFile:
                 self.window = max(_MIN_WINDOW, self.window // 4) if jumped else self.window * 2
                 self.window = min(self.window, _MAX_WINDOW)
             stop = min(max(end, offset + self.window), self.shard.size)
-            request = Request(self.shard.url, offset, stop, size=self.shard.size)
+            request = self.shard.request(offset, stop)
             (self.buffer,) = self.fetcher.fetch([request])
             self.buffer_start = offset
             self.requests += 1

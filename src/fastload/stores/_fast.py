@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastload.stores._perprocess import PerProcessCache
+from fastload.stores._reads import Body
 
 log = logging.getLogger(__name__)
 
@@ -122,19 +123,22 @@ def readable(key: str) -> bool:
     return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
 
 
-async def read(store: Any, key: str, start: int | None, end: int | None) -> bytes:
-    """``key``'s bytes ``[start, end)`` (non-negative offsets) through obstore."""
+async def read(store: Any, key: str, start: int | None, end: int | None) -> Body:
+    """``key``'s bytes ``[start, end)`` (non-negative offsets) through obstore, with the ETag
+    the store served them under."""
     obstore = _obstore()
-    if start is None and end is None:
-        result = await obstore.get_async(store, key)
-        return bytes(await result.bytes_async())
     begin = start or 0
-    if end is None:
-        result = await obstore.get_async(store, key, options={"range": {"offset": begin}})
-        return bytes(await result.bytes_async())
-    if end <= begin:
-        return b""
-    return bytes(await obstore.get_range_async(store, key, start=begin, end=end))
+    if end is not None and end <= begin:
+        return Body(b"")
+    options: dict[str, Any] = {}
+    if end is not None:
+        options["range"] = (begin, end)
+    elif begin:
+        options["range"] = {"offset": begin}
+    result = await obstore.get_async(store, key, options=options)
+    data = bytes(await result.bytes_async())
+    etag = result.meta.get("e_tag")
+    return Body(data, (str(etag).strip('"'),) if etag else ())
 
 
 def list_stream(store: Any, directory: str | None, start_after: str | None, limit: int) -> Any:

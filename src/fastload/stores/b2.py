@@ -23,6 +23,7 @@ from fsspec.spec import AbstractBufferedFile
 from fastload._extras import import_extra
 from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError, StoreError
 from fastload.stores._errors import translate
+from fastload.stores._reads import Body
 
 __all__ = ["B2FileSystem"]
 
@@ -55,6 +56,11 @@ class _OneTrySession(_Session):  # type: ignore[misc]
 
 class _B2Api(_Api):  # type: ignore[misc]
     SESSION_CLASS = _OneTrySession
+
+
+def _sha1(value: str | None) -> str | None:
+    """A version's SHA-1, if B2 knows it (large files uploaded in parts say "none")."""
+    return None if value in (None, "", "none") else value
 
 
 @contextmanager
@@ -143,7 +149,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             "type": "file",
             "mtime": version.upload_timestamp / 1000.0,
             "version": version.id_,
-            "etag": version.content_sha1,
+            "etag": _sha1(version.content_sha1),
         }
 
     @staticmethod
@@ -227,6 +233,10 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
+        return self.read_body(path, start, end).data
+
+    def read_body(self, path: str, start: int | None = None, end: int | None = None) -> Body:
+        """The bytes ``[start, end)`` and the file id and SHA-1 of the version they came from."""
         path = self._strip_protocol(path)
         bucket_name, key = self._split(path)
         if (start or 0) < 0 or (end is not None and end < 0) or (start and end is None):
@@ -235,7 +245,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             end = size if end is None else max(0, size + end) if end < 0 else min(end, size)
         start = start or 0
         if end is not None and end <= start:
-            return b""
+            return Body(b"")
         buffer = io.BytesIO()
         bucket = self._bucket(bucket_name)
         try:
@@ -251,8 +261,11 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             if not isinstance(exc.__cause__, _b2.exception.InvalidRange):
                 raise
             size = self.info(path)["size"]  # a range past the end reads to the end
-            return b"" if start >= size else self.cat_file(path, start, min(end or size, size))
-        return buffer.getvalue()
+            if start >= size:
+                return Body(b"")
+            return self.read_body(path, start, min(end or size, size))
+        served = downloaded.download_version
+        return Body(buffer.getvalue(), (served.id_, served.content_sha1))
 
     # -- writing -------------------------------------------------------------------------
 
