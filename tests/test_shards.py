@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import fastload
-from fastload import Cache, ChunkConfig, ConfigError, RemoteDataset, ShardError
+from fastload import Cache, ChunkConfig, ConfigError, ObjectChangedError, RemoteDataset, ShardError
 from fastload.sampler import PermutationSampler, block_locality
 from fastload.testing import B2Server, FakeGcsServer, S3Server
 from tests.conftest import BUCKET, write
@@ -176,7 +176,8 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     shifted = tar_shard(0, 10)  # same size, other content: the members moved by one sample
     shifted = shifted[:512] + tar_shard(1, 10)[512 : len(good)]
     write(root, options, {"a.tar": shifted[: len(good)]})
-    with pytest.raises(ShardError, match=r"'class.0/img-00003'.*a\.tar.*changed since it"):
+    # the store names the version it served: the rewrite is caught before any header is parsed
+    with pytest.raises(ObjectChangedError, match=r"'class.0/img-00003'.*a\.tar.*changed since"):
         dataset[3]
     with pytest.raises(ConfigError, match=r"no parquet shards .*keys look like .*a\.tar"):
         RemoteDataset(root, shards="parquet", storage_options=options)
@@ -351,3 +352,14 @@ def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
         stats = dataset.fetcher.stats
         assert stats.requests <= most_requests and stats.bytes <= most_bytes, (name, stats)
     assert len(dataset) == 40
+
+
+def test_a_rewritten_shard_on_a_store_that_names_no_version_fails_its_header_check() -> None:
+    """memory:// serves no version, so the tar header check is what catches a rewrite."""
+    root = f"memory://rewritten-{uuid.uuid4().hex[:8]}"
+    good = tar_shard(0, 10)
+    write(root, {}, {"a.tar": good})
+    dataset = RemoteDataset(root, shards="tar")
+    write(root, {}, {"a.tar": good[:512] + tar_shard(1, 10)[512 : len(good)]})
+    with pytest.raises(ShardError, match=r"'class.0/img-00003'.*a\.tar.*changed since it"):
+        dataset[3]
