@@ -40,7 +40,8 @@ def test_retries_run_out_into_a_named_transient_error(
     proxy.set_faults(Faults(error_503=1.0))
     url = next(iter(objects))
     fetcher = Fetcher(
-        seaweed.storage_options(proxy.endpoint), FetchConfig(retries=2, fast_path=fast_path)
+        seaweed.storage_options(proxy.endpoint),
+        FetchConfig(retries=2, outage_budget=0, fast_path=fast_path),
     )
     with pytest.raises(TransientStoreError) as info:
         fetcher.fetch([url])
@@ -55,7 +56,10 @@ def test_a_stalled_request_times_out_and_is_retried(
 ) -> None:
     proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0))
     url = next(iter(objects))
-    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(timeout=0.3, retries=1))
+    fetcher = Fetcher(
+        seaweed.storage_options(proxy.endpoint),
+        FetchConfig(timeout=0.3, retries=1, outage_budget=0),
+    )
     with pytest.raises(TransientStoreError, match=r"no answer within 0\.3 s"):
         fetcher.fetch([url])
     assert fetcher.stats.requests == 2
@@ -78,11 +82,34 @@ def test_hedged_requests_beat_the_slow_tail(
 def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"12345")
-    fetcher = Fetcher(config=FetchConfig(retries=1, backoff=0.001))
+    fetcher = Fetcher(config=FetchConfig(retries=1, outage_budget=0, backoff=0.001))
     with pytest.raises(TransientStoreError, match=r"truncated body \(5 of 9 bytes\)"):
         fetcher.fetch([Request(str(path), size=9)])
     assert fetcher.stats.retries == 1
     assert fetcher.fetch([Request(str(path), 1, 3, size=5)]) == [b"23"]
+
+
+def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_path: Path) -> None:
+    """A broken object costs its retries once; an outage (nothing answers) is waited out."""
+    for i in range(6):
+        (tmp_path / f"{i}.bin").write_bytes(b"12345")
+    bad = Request(str(tmp_path / "3.bin"), size=9)  # always short: the object, not the store
+    good = [Request(str(tmp_path / f"{i}.bin"), size=5) for i in range(6) if i != 3]
+    config = FetchConfig(retries=2, backoff=0.05, quarantine=60.0)
+    fetcher = Fetcher(config=config)
+    out = fetcher.fetch([*good, bad], return_exceptions=True)
+    assert out[:5] == [b"12345"] * 5
+    assert isinstance(out[5], TransientStoreError)
+    assert "quarantined for 60 s" in str(out[5]) and "truncated body" in str(out[5])
+    assert fetcher.stats.quarantined == 1 and fetcher.stats.outage_retries == 0
+    requests = fetcher.stats.requests
+    with pytest.raises(TransientStoreError, match=r"quarantined.*3\.bin"):
+        fetcher.fetch([bad])
+    assert fetcher.stats.requests == requests  # no request while it is in quarantine
+    alone = Fetcher(config=FetchConfig(retries=2, outage_budget=0.5, backoff=0.05))
+    with pytest.raises(TransientStoreError, match=r"truncated body"):
+        alone.fetch([bad])  # nothing answered: treated as an outage, retried for 0.5 s
+    assert alone.stats.outage_retries > 0 and alone.stats.quarantined == 0
 
 
 def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path) -> None:

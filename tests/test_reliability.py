@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections import Counter
@@ -58,6 +59,51 @@ def put_objects(root: str, options: dict[str, Any], n: int, seed: int) -> Counte
 
 def servers(store: str, request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue({"s3": "seaweed", "gcs": "gcs", "b2": "b2"}[store])
+
+
+# --- R8 outages ---------------------------------------------------------------------------------
+
+OUTAGE_S = 30.0  # what #19 asks a run to survive, with the default FetchConfig
+
+
+@pytest.mark.parametrize("store", ["s3", "b2"])
+def test_r8_a_30_s_outage_mid_epoch_delivers_every_sample(
+    store: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mid-epoch, every request gets a 503 or a reset for 30 s; the epoch waits it out."""
+    server = servers(store, request)
+    scheme = {"s3": "s3", "b2": "b2"}[store]
+    root = f"{scheme}://{BUCKET}/outage-{uuid.uuid4().hex[:8]}"
+    expected = put_objects(root, server.storage_options(), 400, seed=3)
+    manifest = Manifest.build(root, storage_options=server.storage_options())
+    flavor = "s3" if store == "s3" else "b2"
+    with FaultProxy(server.endpoint, flavor=flavor) as proxy:  # type: ignore[arg-type]
+        dataset = RemoteDataset(manifest, storage_options=server.storage_options(proxy.endpoint))
+        loader = fastload.DataLoader(dataset, batch_size=40, num_workers=0, collate_fn=list)
+        seen: Counter[str] = Counter()
+        end = threading.Timer(OUTAGE_S, lambda: proxy.set_faults(Faults()))
+        with caplog.at_level(logging.WARNING, logger="fastload.fetch"):
+            for i, batch in enumerate(loader):
+                seen.update(digest(body) for body in batch)
+                if i == 1:  # the lookahead has requests in flight: they meet the outage too
+                    proxy.set_faults(Faults(error_503=0.5, reset=0.5, seed=1))
+                    started = time.monotonic()
+                    end.start()
+            waited = time.monotonic() - started
+            end.join()
+            faults = proxy.counters()
+    stats = dataset.stats()["fetch"]
+    print(
+        f"R8 {store}: outage {OUTAGE_S:g} s, epoch end {waited:.1f} s after its start, "
+        f"{faults['error_503']} 503s + "
+        f"{faults['reset']} resets, {stats['outage_retries']} outage retries, "
+        f"{stats['failures']} failures"
+    )
+    assert seen == expected  # every object exactly once, bit for bit
+    assert waited >= OUTAGE_S
+    assert faults["error_503"] + faults["reset"] > 0 and stats["outage_retries"] > 0
+    assert stats["failures"] == 0 and stats["quarantined"] == 0
+    assert "has answered no request" in caplog.text
 
 
 # --- R1 faults ----------------------------------------------------------------------------------

@@ -25,7 +25,14 @@ class FetchConfig:
     concurrency: requests in flight at once.
     timeout: seconds one attempt may take before it counts as a transient failure.
     retries: further attempts after a transient failure (throttling, 5xx, reset, truncation,
-        timeout); not-found and access-denied are never retried.
+        timeout) while the store answers other requests: an object still failing then is
+        quarantined (below). Not-found, access-denied and changed objects are never retried.
+    outage_budget: seconds an object keeps being retried past ``retries`` while the store
+        answers no request at all (an outage, a restart, a long throttle), counted in
+        ``outage_retries`` and logged while it lasts; 0 gives up after ``retries``.
+    quarantine: seconds an object given up while the store answered others fails at once,
+        without a request, before it is tried again (a stalled or broken object costs its
+        retries once, not on every read).
     backoff / max_backoff: full-jitter exponential backoff, base and cap in seconds.
     hedge_after: seconds after which a still-unanswered request is sent a second time and the
         first answer wins (None: no hedging).
@@ -36,6 +43,8 @@ class FetchConfig:
     concurrency: int = 64
     timeout: float = 60.0
     retries: int = 6
+    outage_budget: float = 180.0
+    quarantine: float = 600.0
     backoff: float = 0.05
     max_backoff: float = 5.0
     hedge_after: float | None = None
@@ -45,8 +54,8 @@ class FetchConfig:
         _check(self, "concurrency", _is_int(self.concurrency) and self.concurrency >= 1, ">= 1")
         _check(self, "timeout", _is_num(self.timeout) and self.timeout > 0, "> 0")
         _check(self, "retries", _is_int(self.retries) and self.retries >= 0, ">= 0")
-        _check(self, "backoff", _is_num(self.backoff) and self.backoff >= 0, ">= 0")
-        _check(self, "max_backoff", _is_num(self.max_backoff) and self.max_backoff >= 0, ">= 0")
+        for name in ("outage_budget", "quarantine", "backoff", "max_backoff"):
+            _check(self, name, _is_num(getattr(self, name)) and getattr(self, name) >= 0, ">= 0")
         hedge = self.hedge_after
         _check(self, "hedge_after", hedge is None or (_is_num(hedge) and hedge > 0), "None or > 0")
         _check(self, "fast_path", isinstance(self.fast_path, bool), "a bool")

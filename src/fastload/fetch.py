@@ -31,6 +31,7 @@ from fastload.stores._retry import retrying
 __all__ = ["Fetcher", "Request", "fetch"]
 
 log = logging.getLogger(__name__)
+_OUTAGE_LOG_EVERY = 10.0  # seconds between warnings while the store answers nothing
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class Fetcher:
         self.storage_options = dict(storage_options or {})
         self.config = config or FetchConfig.from_env()
         self.stats = FetchStats()
+        self._last_ok = 0.0  # when an attempt last succeeded (time.monotonic)
+        self._transient_failures = 0  # of every request so far
+        self._outage_logged = 0.0
+        self._quarantined: dict[str, float] = {}  # url -> when it may be tried again
 
     def fetch(
         self, items: Sequence[str | Request], *, return_exceptions: bool = False
@@ -155,26 +160,84 @@ class Fetcher:
                 task.cancel()
 
     async def _fetch_one(self, request: Request, target: _Target) -> bytes:
-        config = self.config
-
-        def counted(exc: BaseException) -> None:
-            self.stats.retries += 1
-            log.debug("retrying %s after %r", target.url, exc)
-
+        url = target.url
+        if self._in_quarantine(url):
+            self.stats.failures += 1
+            raise TransientStoreError(
+                "quarantined: it kept failing while the store answered other requests "
+                "(tried again later)",
+                url=url,
+            )
         try:
             data = await retrying(
                 lambda: self._hedged(lambda: self._attempt(request, target)),
-                retries=config.retries,
-                backoff=config.backoff,
-                max_backoff=config.max_backoff,
-                on_retry=counted,
+                give_up=self._patience(url),
+                backoff=self.config.backoff,
+                max_backoff=self.config.max_backoff,
+                on_retry=lambda exc: log.debug("retrying %s after %r", url, exc),
             )
         except Exception as exc:  # translated here, at the one boundary
             self.stats.failures += 1
-            raise translate(exc, target.url) from exc
+            error = translate(exc, url)
+            if url in self._quarantined and isinstance(error, TransientStoreError):
+                error = TransientStoreError(
+                    f"quarantined for {self.config.quarantine:g} s: it kept failing while the "
+                    f"store answered other requests ({error})",
+                    url=url,
+                )
+            raise error from exc
         self.stats.objects += 1
         self.stats.bytes += len(data)
         return data
+
+    def _in_quarantine(self, url: str) -> bool:
+        until = self._quarantined.get(url)
+        if until is not None and time.monotonic() >= until:
+            del self._quarantined[url]
+            return False
+        return until is not None
+
+    def _patience(self, url: str) -> Callable[[int], bool]:
+        """When to give up on ``url``: after ``retries`` if the store answers others meanwhile
+        (the object is failing: quarantine it), else when the outage outlasts its budget.
+
+        The store answers others if a request succeeded since this one's previous failure, or
+        since its first one while no other request failed (a broken object beside a healthy
+        store whose other reads are done).
+        """
+        config = self.config
+        started = previous = time.monotonic()
+        mark = self._transient_failures
+
+        def give_up(failures: int) -> bool:
+            nonlocal previous
+            now, since = time.monotonic(), previous
+            previous = now
+            self._transient_failures += 1
+            if failures <= config.retries:
+                self.stats.retries += 1
+                return False
+            others_failed = self._transient_failures - mark > failures
+            if self._last_ok > since or (self._last_ok > started and not others_failed):
+                self._quarantined[url] = now + config.quarantine
+                self.stats.quarantined += 1
+                return True
+            if now - started >= config.outage_budget:
+                return True
+            self.stats.retries += 1
+            self.stats.outage_retries += 1
+            if now - self._outage_logged >= _OUTAGE_LOG_EVERY:
+                self._outage_logged = now
+                log.warning(
+                    "the store has answered no request for %.0f s; retrying %s (and others) "
+                    "for up to %g s (FetchConfig.outage_budget)",
+                    now - started,
+                    url,
+                    config.outage_budget,
+                )
+            return False
+
+        return give_up
 
     async def _hedged(self, call: Callable[[], Awaitable[bytes]]) -> bytes:
         if self.config.hedge_after is None:
@@ -230,6 +293,7 @@ class Fetcher:
                 f"truncated body ({len(body.data)} of {expected} bytes)", url=url
             )
         self.stats.latency.add(time.perf_counter() - started)
+        self._last_ok = time.monotonic()
         return body.data
 
 

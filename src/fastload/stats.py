@@ -77,6 +77,8 @@ class FetchStats:
     objects: int = 0  # requests answered in full
     failures: int = 0  # requests given up (after retries, or not retryable)
     retries: int = 0
+    outage_retries: int = 0  # retries beyond ``retries`` while the store answered nothing
+    quarantined: int = 0  # objects given up while the store answered others (see FetchConfig)
     hedges: int = 0  # duplicate requests sent for the slow tail
     hedge_wins: int = 0  # hedges that answered first
     bytes: int = 0

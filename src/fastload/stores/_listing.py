@@ -245,7 +245,7 @@ async def list_parallel(
         async with gate:
             return await retrying(
                 partial(lister.page, scope, start_after, token, limit),
-                retries=retries,
+                give_up=lambda failures: failures > retries,
                 backoff=0.05,
                 max_backoff=5.0,
             )

@@ -17,25 +17,25 @@ __all__ = ["retrying"]
 async def retrying(
     attempt: Callable[[], Awaitable[T]],
     *,
-    retries: int,
+    give_up: Callable[[int], bool],
     backoff: float,
     max_backoff: float,
     on_retry: Callable[[BaseException], None] | None = None,
 ) -> T:
-    """``await attempt()``, again after each transient failure, at most ``retries`` more times.
+    """``await attempt()``, again after each transient failure until ``give_up(failures)``.
 
     Not-found, access-denied and unclassified errors are raised at once; the last transient one
-    is raised when the retries run out.
+    is raised when ``give_up`` says so. The backoff ceiling doubles with each failure.
     """
-    tries = 0
+    failures = 0
     while True:
         try:
             return await attempt()
         except Exception as exc:
-            if classify(exc) is not Kind.TRANSIENT or tries >= retries:
+            failures += 1
+            if classify(exc) is not Kind.TRANSIENT or give_up(failures):
                 raise
-            tries += 1
             if on_retry is not None:
                 on_retry(exc)
-            ceiling = min(max_backoff, backoff * 2 ** (tries - 1))
+            ceiling = min(max_backoff, backoff * 2 ** min(failures - 1, 32))
             await asyncio.sleep(random.uniform(0, ceiling))
