@@ -213,6 +213,21 @@ def test_a_folder_that_is_not_a_cache_is_refused(tmp_path: Path) -> None:
     Cache(tmp_path / "c")  # still a cache after clear()
 
 
+def test_clear_zeroes_every_formats_byte_count(tmp_path: Path) -> None:
+    """#19: after clear(), `cache stats` of another format said 0 entries and 38,100 bytes."""
+    npy = Cache(tmp_path / "c", format="npy")
+    pt = Cache(tmp_path / "c", format="pt")
+    npy.put("a", np.zeros(1000))
+    pt.put("b", np.zeros(1000))
+    before = pt.stats()["used_bytes"] or 0
+    assert npy.stats()["used_bytes"] and before > 8000
+    npy.clear()
+    assert len(npy) == len(pt) == 0
+    assert npy.stats()["used_bytes"] == pt.stats()["used_bytes"] == 0
+    pt.put("b", np.zeros(10))
+    assert 0 < (pt.stats()["used_bytes"] or 0) < before - 7000  # counted from zero again
+
+
 def test_a_cache_under_a_file_is_a_named_cache_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(CacheError, match=r"cannot use .*file/c as a cache \(ENOTDIR"):

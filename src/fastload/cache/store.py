@@ -530,13 +530,26 @@ class Cache:
         return self.counters.evictions - before
 
     def clear(self) -> None:
-        """Remove every entry (the directory stays a fastload cache)."""
+        """Remove every entry of every format (the directory stays a fastload cache); every
+        format's byte count goes back to zero with them."""
         self._check_subdirs()
-        with self._usage() as used:
+        counters = sorted(self.root.glob("usage-*"))
+        locks = [FileLock(path) for path in counters]
+        for lock in locks:  # in name order: two clears never wait on each other
+            lock.acquire()
+        try:
             for sub in ("entries", "locks"):
                 shutil.rmtree(self.root / sub, ignore_errors=True)
                 (self.root / sub).mkdir(mode=0o700)
-            used[0] = 0
+            for path in counters:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.pwrite(fd, b"%020d" % 0, 0)
+                finally:
+                    os.close(fd)
+        finally:
+            for lock in locks:
+                lock.release()
 
 
 def _remove(path: str | Path) -> int:
