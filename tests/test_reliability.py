@@ -1,4 +1,4 @@
-"""Reliability: faults (R1), crashes (R2), concurrency (R3), secrets (R6) and the soak.
+"""Reliability: faults (R1), crashes (R2), concurrency (R3), secrets (R6), outages (R8), soak.
 
 R4 (corruption), the rest of R5 (bad inputs) and R6 (paths, pickles, modes) live beside the
 code they test; docs/reliability.md maps each requirement to its test and figure. Figures are
