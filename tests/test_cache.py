@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -226,6 +227,24 @@ def test_clear_zeroes_every_formats_byte_count(tmp_path: Path) -> None:
     assert npy.stats()["used_bytes"] == pt.stats()["used_bytes"] == 0
     pt.put("b", np.zeros(10))
     assert 0 < (pt.stats()["used_bytes"] or 0) < before - 7000  # counted from zero again
+
+
+def test_the_budget_is_the_folders_and_every_process_keeps_to_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#19: two processes opening one cache with different max_bytes silently ran at different
+    budgets. The budget is recorded in the folder; a new value replaces it, with a warning."""
+    root = tmp_path / "c"
+    reader = Cache(root, format="npy", max_bytes=1_000_000)
+    assert Cache(root, format="npy").max_bytes == 1_000_000  # no max_bytes: the folder's
+    with caplog.at_level(logging.WARNING, logger="fastload.cache"):
+        Cache(root, format="npy", max_bytes=50_000)
+    assert "changes from 1000000 to 50000" in caplog.text
+    for i in range(20):
+        reader.put(f"k{i}", np.zeros(1000))  # about 8 KB each: 160 KB in all
+    assert reader.max_bytes == 50_000
+    assert (reader.stats()["used_bytes"] or 0) <= 50_000 and len(reader) < 20
+    assert Cache(root, format="pt").max_bytes is None  # each format has its own
 
 
 def test_a_cache_under_a_file_is_a_named_cache_error(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_a_stalled_request_times_out_and_is_retried(
         seaweed.storage_options(proxy.endpoint),
         FetchConfig(timeout=0.3, retries=1, outage_budget=0),
     )
-    with pytest.raises(TransientStoreError, match=r"no answer within 0\.3 s"):
+    with pytest.raises(TransientStoreError, match=r"nothing received for 0\.3 s"):
         fetcher.fetch([url])
     assert fetcher.stats.requests == 2
 
@@ -77,6 +77,28 @@ def test_hedged_requests_beat_the_slow_tail(
     assert stats.hedge_wins >= 1
     assert stats.retries == 0
     assert stats.requests == len(objects) + stats.hedges
+
+
+@pytest.mark.parametrize("route", ["s3-obstore", "s3-s3fs", "b2"])
+def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
+    route: str, request: pytest.FixtureRequest
+) -> None:
+    """#19: the timeout is on silence, not on total time (a 1.5 MB body at 1 MB/s, 0.5 s)."""
+    store = "b2" if route == "b2" else "seaweed"
+    server = request.getfixturevalue(store)
+    body = os.urandom(1_500_000)
+    url = f"{route[:2]}://{BUCKET}/slow-{uuid.uuid4().hex[:8]}.bin"
+    filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
+    config = FetchConfig(timeout=0.5, retries=0, outage_budget=0, fast_path=route != "s3-s3fs")
+    with FaultProxy(server.endpoint, flavor="b2" if route == "b2" else "s3") as proxy:
+        options = server.storage_options(proxy.endpoint)
+        proxy.set_faults(Faults(bandwidth=1_000_000, methods=("GET",)))
+        fetcher = Fetcher(options, config)
+        assert fetcher.fetch([Request(url, size=len(body))]) == [body]
+        assert fetcher.stats.retries == 0
+        proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0, methods=("GET",)))
+        with pytest.raises(TransientStoreError, match=r"nothing received for 0\.5 s"):
+            Fetcher(options, config).fetch([Request(url, size=len(body))])
 
 
 def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:

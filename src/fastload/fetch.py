@@ -266,9 +266,18 @@ class Fetcher:
 
     def _call(self, request: Request, target: _Target) -> Awaitable[Body]:
         start, end = request.start, request.end
+        timeout = self.config.timeout
         if target.fast is not None:
-            return _fast.read(target.fast, target.key, start, end)
-        return _reads.read(target.fs, target.path, (start, end), request.version, self._executor())
+            return _fast.read(target.fast, target.key, (start, end), timeout)
+        executor = self._executor()
+        return _reads.read(
+            target.fs,
+            target.path,
+            (start, end),
+            version=request.version,
+            executor=executor,
+            timeout=timeout,
+        )
 
     async def _attempt(self, request: Request, target: _Target) -> bytes:
         start, end = request.start, request.end
@@ -278,9 +287,10 @@ class Fetcher:
         started = time.perf_counter()
         url = target.url
         try:
-            body = await asyncio.wait_for(self._call(request, target), self.config.timeout)
-        except asyncio.TimeoutError as exc:
-            raise TransientStoreError(f"no answer within {self.config.timeout} s", url=url) from exc
+            body = await self._call(request, target)
+        except TimeoutError as exc:
+            message = f"nothing received for {self.config.timeout:g} s"
+            raise TransientStoreError(message, url=url) from exc
         if request.version and body.served and request.version not in body.served:
             raise ObjectChangedError(
                 f"changed since the manifest was built (indexed version {request.version!r}, "

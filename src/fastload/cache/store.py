@@ -8,7 +8,8 @@ Layout under ``root``::
     locks/ab/<digest>.lock           while a sample is computed (zarr: also while read; these go
                                      with the entry)
     tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
-    usage-<format>                   bytes of that format's entries (kept under its own lock)
+    usage-<format>                   bytes of that format's entries and its budget (kept under its
+                                     own lock): every process sharing the folder keeps to one budget
 
 A sample's file name is a hash of its name and the format, so no name can reach outside
 ``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
@@ -78,7 +79,10 @@ class Cache:
     ``format``: ``"pt"`` (torch.save, loaded with ``weights_only=True``), ``"npy"`` (raw
     array buffers, the fastest) or ``"zarr"`` (chunked and compressed; crops read only what
     they touch, see :meth:`open`). ``max_bytes`` bounds this format's entries; the least
-    recently used are evicted past it. Formats may share a directory; each keeps to its own.
+    recently used are evicted past it. The budget is the directory's: it is recorded there, a
+    Cache opened without ``max_bytes`` keeps to the recorded one, and a different ``max_bytes``
+    replaces it for every process sharing the folder (with a warning). Formats may share a
+    directory; each keeps to its own.
 
     Names are any strings that identify a sample and everything that shaped it (object URL,
     version, transform fingerprint); :meth:`name` builds one.
@@ -104,6 +108,7 @@ class Cache:
         self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
         self._prepare()
+        self._adopt_budget(max_bytes)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes})"
@@ -140,6 +145,23 @@ class Cache:
         if not os.access(self.root / "tmp", os.W_OK):
             raise CacheError(f"cache directory is not writable: {self.root}")
         self._remove_stale_tmp()
+
+    def _adopt_budget(self, max_bytes: int | None) -> None:
+        """Keep to the directory's budget, or record ``max_bytes`` as its budget."""
+        with self._usage() as state:
+            recorded = state[1] or None
+            if max_bytes is not None and recorded not in (None, max_bytes):
+                log.warning(
+                    "%s: the cache budget (%s) changes from %d to %d bytes for every process "
+                    "sharing this folder",
+                    self.root,
+                    self.format,
+                    recorded,
+                    max_bytes,
+                )
+            if max_bytes is not None:
+                state[1] = max_bytes
+            self.max_bytes = state[1] or None
 
     def _check_subdirs(self) -> None:
         """entries/, locks/ and tmp/ must be real folders: the cache deletes inside them, and
@@ -378,6 +400,7 @@ class Cache:
                     f"{os.path.dirname(path)} is a symlink; the cache will not follow it"
                 )
             with self._usage() as used:
+                self.max_bytes = used[1] or None  # the folder's, as another process set it
                 if self.max_bytes is not None and used[0] + size > self.max_bytes:
                     used[0] = self._evict(int(self.max_bytes * _LOW_WATER) - size)
                 used[0] += size - _remove(path)  # a stale or corrupt one may be in the way
@@ -402,17 +425,20 @@ class Cache:
 
     @contextlib.contextmanager
     def _usage(self) -> Iterator[list[int]]:
-        """The bytes in entries/, read and written back in place under the usage file's lock."""
+        """``[bytes in entries/, budget (0: none)]``, read and written back in place under the
+        usage file's lock."""
         path = self.root / f"usage-{self.format}"
         lock = FileLock(path)
         lock.acquire()
         try:
             fd = os.open(path, os.O_RDWR)
             try:
-                raw = os.pread(fd, 32, 0)
-                used = [int(raw) if raw.isdigit() else self._scan_bytes()]
-                yield used
-                os.pwrite(fd, b"%020d" % max(0, used[0]), 0)
+                raw = os.pread(fd, 64, 0).split()
+                used = int(raw[0]) if raw and raw[0].isdigit() else self._scan_bytes()
+                budget = int(raw[1]) if len(raw) > 1 and raw[1].isdigit() else 0
+                state = [used, budget]
+                yield state
+                os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
             finally:
                 os.close(fd)
         finally:
@@ -476,7 +502,7 @@ class Cache:
     def stats(self) -> dict[str, int | None]:
         """This process's counters plus the bytes in the cache and the budget."""
         with self._usage() as used:
-            size = used[0]
+            size, self.max_bytes = used[0], used[1] or None
         return {**self.counters.snapshot(), "used_bytes": size, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
@@ -520,12 +546,12 @@ class Cache:
             return os.path.basename(path)  # too damaged to say: the file name (a digest)
 
     def prune(self, max_bytes: int | None = None) -> int:
-        """Evict down to ``max_bytes`` (default: this cache's budget); entries removed."""
-        target = self.max_bytes if max_bytes is None else max_bytes
-        if target is None:
-            raise ConfigError("Cache.prune needs max_bytes (this cache has no budget)")
+        """Evict down to ``max_bytes`` (default: the folder's budget); entries removed."""
         before = self.counters.evictions
         with self._usage() as used:
+            target = (used[1] or None) if max_bytes is None else max_bytes
+            if target is None:
+                raise ConfigError("Cache.prune needs max_bytes (this cache has no budget)")
             used[0] = self._evict(target)
         return self.counters.evictions - before
 

@@ -14,6 +14,7 @@ takes the s3fs path instead; children started by spawn or forkserver keep the fa
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import os
@@ -22,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastload.stores._perprocess import PerProcessCache
-from fastload.stores._reads import Body
+from fastload.stores._reads import PROGRESS_CHUNK, Body, progressing
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,11 @@ def readable(key: str) -> bool:
     return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
 
 
-async def read(store: Any, key: str, start: int | None, end: int | None) -> Body:
-    """``key``'s bytes ``[start, end)`` (non-negative offsets) through obstore, with the ETag
-    the store served them under."""
+async def read(store: Any, key: str, span: tuple[int | None, int | None], timeout: float) -> Body:
+    """``key``'s bytes ``span`` = ``[start, end)`` (non-negative offsets) through obstore, with
+    the ETag the store served them under; ``TimeoutError`` after ``timeout`` s without a byte."""
     obstore = _obstore()
+    start, end = span
     begin = start or 0
     if end is not None and end <= begin:
         return Body(b"")
@@ -135,8 +137,9 @@ async def read(store: Any, key: str, start: int | None, end: int | None) -> Body
         options["range"] = (begin, end)
     elif begin:
         options["range"] = {"offset": begin}
-    result = await obstore.get_async(store, key, options=options)
-    data = bytes(await result.bytes_async())
+    result = await asyncio.wait_for(obstore.get_async(store, key, options=options), timeout)
+    stream = result.stream(min_chunk_size=PROGRESS_CHUNK)
+    data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))
     etag = result.meta.get("e_tag")
     return Body(data, (str(etag).strip('"'),) if etag else ())
 

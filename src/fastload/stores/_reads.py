@@ -1,4 +1,5 @@
-"""Reading an object or a byte range of it, with the version the store served.
+"""Reading an object or a byte range of it, with the version the store served, timed out on
+absence of progress.
 
 A manifest records each object's version (S3's ETag, a GCS generation, a B2 file id or SHA-1,
 a local file's mtime). Every read here also says which version its bytes are, so
@@ -6,23 +7,34 @@ a local file's mtime). Every read here also says which version its bytes are, so
 caching them under the old version's name (see :class:`fastload.errors.ObjectChangedError`).
 GCS is asked for the indexed generation itself. A store that names no version (``memory://``)
 serves ``()``, and nothing is checked.
+
+A read times out when ``timeout`` seconds pass without a byte (before the first, then between
+chunks), never on its total duration: a large object on a slow link arrives, a stalled one
+fails fast. S3 bodies are streamed (obstore, s3fs); blocking readers (B2, local files) write into
+a buffer whose growth is watched; gcsfs reads a body whole, so there ``timeout`` bounds a whole
+attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
 
 from fastload.errors import ObjectChangedError
 
-__all__ = ["Body", "read"]
+__all__ = ["PROGRESS_CHUNK", "Body", "progressing", "read"]
+
+PROGRESS_CHUNK = 64 << 10  # bytes a streamed body is read in (each within the timeout)
+_LOCAL_CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,23 +49,53 @@ async def read(
     fs: AbstractFileSystem,
     path: str,
     span: tuple[int | None, int | None],
+    *,
     version: str | None,
     executor: Executor,
+    timeout: float,
 ) -> Body:
-    """``path``'s bytes ``span`` = ``[start, end)`` (a negative start counts from the end)."""
+    """``path``'s bytes ``span`` = ``[start, end)`` (a negative start counts from the end);
+    ``TimeoutError`` after ``timeout`` s without progress."""
     start, end = span
     protocols = set(_protocols(fs))
     if protocols & {"s3", "s3a"} and (start or 0) >= 0 and (end or 0) >= 0:
-        return await _s3(fs, path, start, end)
+        return await _s3(fs, path, span, timeout)
     if protocols & {"gs", "gcs"} and version and version.isdigit():
-        return await _gcs(fs, path, start, end, version)
+        return await asyncio.wait_for(_gcs(fs, path, start, end, version), timeout)
     if fs.async_impl:
-        return Body(bytes(await fs._cat_file(path, start=start, end=end)))
+        data = await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout)
+        return Body(bytes(data))
     own = getattr(fs, "read_body", None)  # a filesystem of fastload's own (b2://) says itself
-    job: Callable[[], Body] = (
+    job: Callable[[io.BytesIO], Body] = (
         partial(own, path, start, end) if own else partial(_blocking, fs, path, start, end)
     )
-    return await asyncio.get_running_loop().run_in_executor(executor, job)
+    return await _watched(job, executor, timeout)
+
+
+async def progressing(
+    next_chunk: Callable[[], Awaitable[T]], timeout: float, end: type[BaseException]
+) -> list[T]:
+    """Every chunk ``next_chunk()`` gives until it raises ``end``, each within ``timeout``."""
+    chunks: list[T] = []
+    while True:
+        try:
+            chunks.append(await asyncio.wait_for(next_chunk(), timeout))
+        except end:
+            return chunks
+
+
+async def _watched(job: Callable[[io.BytesIO], Body], executor: Executor, timeout: float) -> Body:
+    """``job(sink)`` on a thread, given up (``TimeoutError``) when ``sink`` stops growing."""
+    sink = io.BytesIO()
+    future = asyncio.get_running_loop().run_in_executor(executor, job, sink)
+    seen = 0
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+        if done:
+            return future.result()
+        if sink.tell() == seen:
+            raise TimeoutError(f"nothing received for {timeout} s")
+        seen = sink.tell()
 
 
 def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
@@ -61,8 +103,10 @@ def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
-async def _s3(fs: Any, path: str, start: int | None, end: int | None) -> Body:
-    """One GetObject through s3fs's client; the response's ETag names the version served."""
+async def _s3(fs: Any, path: str, span: tuple[int | None, int | None], timeout: float) -> Body:
+    """One GetObject through s3fs's client, its body streamed; the response's ETag names the
+    version served."""
+    start, end = span
     bucket, key, version_id = fs.split_path(path)
     extra: dict[str, str] = {}
     if end is not None:
@@ -71,9 +115,11 @@ async def _s3(fs: Any, path: str, start: int | None, end: int | None) -> Body:
         extra["Range"] = f"bytes={start}-"
     if version_id:
         extra["VersionId"] = version_id
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    response = await asyncio.wait_for(
+        fs._call_s3("get_object", Bucket=bucket, Key=key, **extra), timeout
+    )
     try:
-        data = await response["Body"].read()
+        data = b"".join(await progressing(partial(_next, response["Body"]), timeout, EOFError))
     finally:
         response["Body"].close()
     etag = str(response.get("ETag") or "").strip('"')
@@ -93,16 +139,28 @@ async def _gcs(fs: Any, path: str, start: int | None, end: int | None, generatio
     return Body(bytes(data), (generation,))
 
 
-def _blocking(fs: AbstractFileSystem, path: str, start: int | None, end: int | None) -> Body:
+async def _next(body: Any) -> bytes:
+    chunk: bytes = await body.read(PROGRESS_CHUNK)
+    if not chunk:
+        raise EOFError
+    return chunk
+
+
+def _blocking(
+    fs: AbstractFileSystem, path: str, start: int | None, end: int | None, sink: io.BytesIO
+) -> Body:
     if _protocols(fs)[0] == "file" and (start or 0) >= 0 and (end or 0) >= 0:
-        return _local(path, start or 0, end)
-    return Body(bytes(fs.cat_file(path, start=start, end=end)))
+        return _local(path, start or 0, end, sink)
+    sink.write(fs.cat_file(path, start=start, end=end))
+    return Body(sink.getvalue())
 
 
-def _local(path: str, start: int, end: int | None) -> Body:
+def _local(path: str, start: int, end: int | None, sink: io.BytesIO) -> Body:
     """A local file's bytes, and its mtime (the version a manifest of ``file://`` records)."""
     with open(path, "rb") as f:
         mtime = os.fstat(f.fileno()).st_mtime
         f.seek(start)
-        data = f.read(-1 if end is None else max(0, end - start))
-    return Body(data, (str(mtime),))
+        stop = None if end is None else max(start, end)
+        while chunk := f.read(_LOCAL_CHUNK if stop is None else min(_LOCAL_CHUNK, stop - f.tell())):
+            sink.write(chunk)
+    return Body(sink.getvalue(), (str(mtime),))

@@ -235,8 +235,15 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
     ) -> bytes:
         return self.read_body(path, start, end).data
 
-    def read_body(self, path: str, start: int | None = None, end: int | None = None) -> Body:
-        """The bytes ``[start, end)`` and the file id and SHA-1 of the version they came from."""
+    def read_body(
+        self,
+        path: str,
+        start: int | None = None,
+        end: int | None = None,
+        sink: io.BytesIO | None = None,
+    ) -> Body:
+        """The bytes ``[start, end)`` and the file id and SHA-1 of the version they came from;
+        they arrive in ``sink`` (whose growth a caller may watch)."""
         path = self._strip_protocol(path)
         bucket_name, key = self._split(path)
         if (start or 0) < 0 or (end is not None and end < 0) or (start and end is None):
@@ -246,7 +253,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         start = start or 0
         if end is not None and end <= start:
             return Body(b"")
-        buffer = io.BytesIO()
+        buffer = io.BytesIO() if sink is None else sink
         bucket = self._bucket(bucket_name)
         try:
             with _translated(path):
@@ -263,7 +270,9 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             size = self.info(path)["size"]  # a range past the end reads to the end
             if start >= size:
                 return Body(b"")
-            return self.read_body(path, start, min(end or size, size))
+            buffer.seek(0)
+            buffer.truncate()
+            return self.read_body(path, start, min(end or size, size), buffer)
         served = downloaded.download_version
         return Body(buffer.getvalue(), (served.id_, served.content_sha1))
 
