@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,11 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastload.errors import ConfigError, ObjectNotFoundError
+from fastload.config import FetchConfig
+from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.manifest import Manifest
-from fastload.testing import free_port
+from fastload.testing import FaultProxy, Faults, free_port
+from tests.conftest import BUCKET, write
 
 
 def synthetic(n: int, root: str = "s3://bucket/data") -> Manifest:
@@ -221,3 +225,34 @@ def test_damaged_or_foreign_manifest_files_are_config_errors_naming_the_file(
         assert str(path) in str(info.value), info.value
     with pytest.raises(FileNotFoundError):
         Manifest.load(tmp_path / "absent.npz")
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs", "b2"])
+def test_listing_requests_time_out_and_retry_as_fetches_do(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """#19: `fastload ls` against a stalled server ran past 100 s (no timeout on the fast path)."""
+    server = request.getfixturevalue({"s3": "seaweed", "gcs": "gcs", "b2": "b2"}[store])
+    root = f"{'gs' if store == 'gcs' else store}://{BUCKET}/listing-{uuid.uuid4().hex[:8]}"
+    write(
+        root,
+        server.storage_options(),
+        {f"day {d}/{i:03d}.bin": b"x" for d in range(2) for i in range(30)},
+    )
+    config = FetchConfig(timeout=0.5, retries=8, outage_budget=0, backoff=0.01, max_backoff=0.05)
+    with FaultProxy(server.endpoint, flavor=store) as proxy:  # type: ignore[arg-type]
+        options = server.storage_options(proxy.endpoint)
+        Manifest.build(root, storage_options=options, fetch_config=config)  # sign in, say
+        listing = ("POST",) if store == "b2" else ("GET",)  # b2_list_file_names is a POST
+        proxy.set_faults(Faults(error_503=0.3, seed=4, methods=listing))
+        listed = Manifest.build(root, storage_options=options, fetch_config=config)
+        assert len(listed) == 60 and proxy.counters()["error_503"] > 0
+        proxy.set_faults(Faults(stall=1.0, stall_seconds=4.0, methods=listing))
+        started = time.monotonic()
+        with pytest.raises(TransientStoreError):
+            Manifest.build(
+                root,
+                storage_options=options,
+                fetch_config=FetchConfig(timeout=0.5, retries=1, outage_budget=0),
+            )
+        assert time.monotonic() - started < 4.0  # timed out, not waited out

@@ -267,7 +267,9 @@ class RemoteDataset(_Batched):
         if isinstance(source, Manifest):
             manifest = source
         elif isinstance(source, str):
-            manifest = Manifest.build(source, storage_options=storage_options)
+            manifest = Manifest.build(
+                source, storage_options=storage_options, fetch_config=fetch_config
+            )
         else:
             raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
         self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())

@@ -24,6 +24,7 @@ import fsspec.asyn
 import numpy as np
 import torch.distributed as dist
 
+from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetch import Request
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
@@ -168,24 +169,37 @@ class Manifest(Sequence[Entry]):
         storage_options: Mapping[str, Any] | None = None,
         parallel: bool = True,
         concurrency: int = 32,
+        fetch_config: FetchConfig | None = None,
     ) -> Manifest:
         """List every object under ``url`` (once; in parallel where the store allows).
 
         ``pattern`` is an fnmatch pattern over keys relative to ``url`` (``*`` also matches
         ``/``). Under torch.distributed, rank 0 lists and broadcasts; other ranks never list.
+        Each listing request is timed out and retried as fetches are (``fetch_config``,
+        default :meth:`FetchConfig.from_env`).
         """
+        config = fetch_config or FetchConfig.from_env()
         return _on_rank_zero(
-            lambda: cls._list(url, pattern, storage_options, parallel, concurrency)
+            lambda: cls._list(
+                url,
+                pattern=pattern,
+                storage_options=storage_options,
+                parallel=parallel,
+                concurrency=concurrency,
+                config=config,
+            )
         )
 
     @classmethod
     def _list(
         cls,
         url: str,
+        *,
         pattern: str | None,
         storage_options: Mapping[str, Any] | None,
         parallel: bool,
         concurrency: int,
+        config: FetchConfig,
     ) -> Manifest:
         root = parse_url(url)
         fs = filesystem(root, storage_options)
@@ -198,7 +212,7 @@ class Manifest(Sequence[Entry]):
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
                 loop = fsspec.asyn.get_loop()
                 found = fsspec.asyn.sync(
-                    loop, list_parallel, lister, prefix, concurrency=concurrency
+                    loop, list_parallel, lister, prefix, concurrency=concurrency, config=config
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
             else:

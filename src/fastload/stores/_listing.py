@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 
 from fsspec import AbstractFileSystem
 
+from fastload.config import FetchConfig
 from fastload.stores import _fast
 from fastload.stores._errors import Kind, classify
 from fastload.stores._retry import retrying
@@ -231,23 +233,39 @@ def _guards(point: str, prefix: str) -> set[str]:
 
 
 async def list_parallel(
-    lister: PageLister, prefix: str, *, concurrency: int = 32, retries: int = 6
+    lister: PageLister, prefix: str, *, concurrency: int = 32, config: FetchConfig
 ) -> list[Listed]:
     """Every key under ``prefix``, sorted, listed over concurrently running key ranges.
 
-    A page that fails transiently is asked for again (up to ``retries`` times, backing off).
+    Each page request gets ``config.timeout`` seconds; one that fails transiently is asked for
+    again as fetches are (``retries``, then for as long as ``outage_budget`` lasts).
     """
     gate = asyncio.Semaphore(concurrency)
     found: dict[str, Listed] = {}
     empty: dict[str, asyncio.Task[bool]] = {}
+    started = time.monotonic()
+
+    def give_up(failures: int) -> bool:
+        outlasted = time.monotonic() - started >= config.outage_budget
+        return failures > config.retries and outlasted
+
+    async def timed(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
+        try:
+            return await asyncio.wait_for(
+                lister.page(scope, start_after, token, limit), config.timeout
+            )
+        except TimeoutError:
+            if isinstance(token, _Stream):
+                token.broken = True  # a stream cut off mid-page is not read again
+            raise
 
     async def ask(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
         async with gate:
             return await retrying(
-                partial(lister.page, scope, start_after, token, limit),
-                give_up=lambda failures: failures > retries,
-                backoff=0.05,
-                max_backoff=5.0,
+                partial(timed, scope, start_after, token, limit),
+                give_up=give_up,
+                backoff=config.backoff,
+                max_backoff=config.max_backoff,
             )
 
     async def holds_nothing(scope: str) -> bool:
