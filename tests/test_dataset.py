@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -341,3 +342,24 @@ def test_remote_dataset_augments_after_the_cache(
     a, b = dataset[3], dataset[3]
     assert not np.array_equal(a, b) and np.array_equal(np.floor(a), np.full((4, 5), 6.0))
     assert dataset.fetcher.stats.objects == 1  # the second read came from the cache
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npy", "zarr"])
+def test_local_file_names_that_are_not_utf8_are_read_and_cached(tmp_path: Path, fmt: str) -> None:
+    """#19: a file:// dataset with a Latin-1 name crashed every cached read (UnicodeEncodeError)."""
+    data = tmp_path / "data"
+    bodies = {b"caf\xe9.bin": b"a" * 10, b"sub \xff/x\xfe.bin": b"b" * 10, b"ok.bin": b"c" * 10}
+    for name, body in bodies.items():
+        path = os.path.join(os.fsencode(data), name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(body)
+    cache = Cache(tmp_path / "cache", format=fmt)  # type: ignore[arg-type]
+    dataset = RemoteDataset(str(data), cache=cache)
+    expected = {os.fsdecode(name): body for name, body in bodies.items()}
+    for _ in range(2):  # computed, then from the cache
+        got = {dataset.manifest[i].key: dataset[i] for i in range(len(dataset))}
+        assert got == expected
+    assert cache.counters.hits == 3 and cache.verify().corrupt == []
+    dataset.manifest.save(tmp_path / "m.npz")
+    assert Manifest.load(tmp_path / "m.npz").keys() == dataset.manifest.keys()

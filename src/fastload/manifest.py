@@ -288,7 +288,7 @@ class Manifest(Sequence[Entry]):
     @property
     def fingerprint(self) -> str:
         """Changes whenever a key, size or version (or the root) changes."""
-        digest = hashlib.sha256(self.root.encode())
+        digest = hashlib.sha256(self.root.encode("utf-8", "surrogatepass"))
         for array in (self._keys.blob, self._keys.ends, self._sizes):
             digest.update(array.tobytes())
         digest.update(self._versions.blob.tobytes())

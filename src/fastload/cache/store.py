@@ -191,7 +191,7 @@ class Cache:
     # --- paths --------------------------------------------------------------------------------
 
     def _digest(self, name: str) -> str:
-        return hashlib.sha256(f"{self.format}\0{name}".encode()).hexdigest()[:40]
+        return hashlib.sha256(f"{self.format}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
     def _path(self, digest: str) -> str:
         # plain strings: building Path objects cost more than reading a small entry
