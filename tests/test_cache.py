@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,9 +260,56 @@ def test_a_read_only_cache_dir_is_a_named_cache_error(tmp_path: Path) -> None:
     (tmp_path / "c" / "tmp").chmod(0o500)
     try:
         with pytest.raises(CacheError, match="not writable"):
-            Cache(tmp_path / "c")
+            Cache(tmp_path / "c", read_only=False)
     finally:
         (tmp_path / "c" / "tmp").chmod(0o700)
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A folder (writable) and the same folder bind-mounted read only (needs CAP_SYS_ADMIN)."""
+    source, mount = tmp_path / "rw", tmp_path / "ro"
+    source.mkdir()
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "--bind", str(source), str(mount)], check=False, capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {made.stderr.decode().strip()}")
+    try:
+        ro = subprocess.run(
+            ["mount", "-o", "remount,ro,bind", str(mount)], check=False, capture_output=True
+        )
+        if ro.returncode != 0:
+            pytest.skip(f"cannot remount read only here: {ro.stderr.decode().strip()}")
+        yield source, mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npy", "zarr"])
+def test_a_warmed_cache_on_a_read_only_mount_is_read(
+    read_only_mount: tuple[Path, Path], fmt: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#19: a warmed cache on a read-only mount could not even say `cache stats`."""
+    source, mount = read_only_mount
+    warm = Cache(source / "c", format=fmt, max_bytes=10_000_000)  # type: ignore[arg-type]
+    for i in range(5):
+        warm.put(f"s{i}", np.full(100, i))
+    with caplog.at_level(logging.WARNING, logger="fastload.cache"):
+        cache = Cache(mount / "c", format=fmt)  # type: ignore[arg-type]
+    assert cache.read_only and "read only" in caplog.text
+    assert cache.stats()["used_bytes"] == warm.stats()["used_bytes"]
+    assert cache.max_bytes == 10_000_000 and len(cache) == 5
+    assert np.array_equal(cache.get("s3"), np.full(100, 3))
+    got = cache.get_many(["s1", "new"], lambda positions: [np.zeros(2) for _ in positions])
+    assert np.array_equal(got[0], np.full(100, 1)) and np.array_equal(got[1], np.zeros(2))
+    assert "new" not in cache and cache.counters.writes == 0
+    with pytest.raises(CacheError, match="read only"):
+        cache.put("x", np.zeros(1))
+    with pytest.raises(CacheError, match="read only"):
+        cache.clear()
+    assert len(Cache(mount / "c", format=fmt, read_only=True)) == 5  # type: ignore[arg-type]
 
 
 def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:

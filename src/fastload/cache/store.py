@@ -86,6 +86,10 @@ class Cache:
 
     Names are any strings that identify a sample and everything that shaped it (object URL,
     version, transform fingerprint); :meth:`name` builds one.
+
+    ``read_only``: True reads entries and never writes (misses are computed and served, not
+    stored), for a warmed cache on a read-only mount; None (default) does so, with a warning,
+    when the folder holds a cache and cannot be written; False requires a writable folder.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Cache:
         *,
         format: CacheFormat = "pt",
         max_bytes: int | None = None,
+        read_only: bool | None = None,
     ) -> None:
         if format not in FORMATS:
             raise ConfigError(f"Cache format must be one of {sorted(FORMATS)}, got {format!r}")
@@ -107,11 +112,20 @@ class Cache:
         self._layout: Format = FORMATS[format]()
         self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
-        self._prepare()
+        self.read_only = bool(read_only) or (read_only is None and self._unwritable())
+        if self.read_only:
+            self._check_cache()
+            if not read_only:
+                log.warning("%s cannot be written: the cache is read only", self.root)
+        else:
+            self._prepare()
         self._adopt_budget(max_bytes)
 
     def __repr__(self) -> str:
-        return f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes})"
+        extra = ", read_only=True" if self.read_only else ""
+        return (
+            f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes}{extra})"
+        )
 
     @staticmethod
     def name(url: str, version: str = "", fingerprint: str = "") -> str:
@@ -150,6 +164,9 @@ class Cache:
         """Keep to the directory's budget, or record ``max_bytes`` as its budget."""
         with self._usage() as state:
             recorded = state[1] or None
+            if self.read_only:
+                self.max_bytes = recorded
+                return
             if max_bytes is not None and recorded not in (None, max_bytes):
                 log.warning(
                     "%s: the cache budget (%s) changes from %d to %d bytes for every process "
@@ -162,6 +179,25 @@ class Cache:
             if max_bytes is not None:
                 state[1] = max_bytes
             self.max_bytes = state[1] or None
+
+    def _unwritable(self) -> bool:
+        """A cache is here but its folder cannot be written (a read-only mount, say)."""
+        tmp = self.root / "tmp"
+        return (self.root / _MARKER).is_file() and tmp.is_dir() and not os.access(tmp, os.W_OK)
+
+    def _check_cache(self) -> None:
+        """What a read-only cache needs: the marker of this layout and real subfolders."""
+        try:
+            layout = json.loads((self.root / _MARKER).read_text()).get("layout")
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"{self.root} is not a fastload cache ({_why(exc)})") from exc
+        if layout != _LAYOUT:
+            raise CacheError(f"{self.root} holds a cache of another fastload layout")
+        self._check_subdirs()
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise CacheError(f"cannot {what}: the cache is read only: {self.root}")
 
     def _check_subdirs(self) -> None:
         """entries/, locks/ and tmp/ must be real folders: the cache deletes inside them, and
@@ -191,7 +227,9 @@ class Cache:
     # --- paths --------------------------------------------------------------------------------
 
     def _digest(self, name: str) -> str:
-        return hashlib.sha256(f"{self.format}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
+        return hashlib.sha256(
+            f"{self.format}\0{name}".encode("utf-8", "surrogatepass")
+        ).hexdigest()[:40]
 
     def _path(self, digest: str) -> str:
         # plain strings: building Path objects cost more than reading a small entry
@@ -215,12 +253,13 @@ class Cache:
         except CorruptEntryError as exc:
             self._discard(digest, path, exc, held)
             return _MISSING
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)  # mtime orders eviction (least recently used first)
+        if not self.read_only:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # mtime orders eviction (least recently used first)
         return value
 
     def _read(self, digest: str, path: str, held: bool = False) -> Any:
-        if held or not self._layout.directory:
+        if held or not self._layout.directory or self.read_only:  # read only: no eviction
             return self._layout.read(path)  # an open file outlives its eviction
         lock = self._lock(digest)  # a folder does not: keep eviction away while reading
         lock.acquire(shared=True)
@@ -230,6 +269,9 @@ class Cache:
             lock.release()
 
     def _discard(self, digest: str, path: str, why: Exception, held: bool = False) -> None:
+        if self.read_only:
+            log.warning("a corrupt cache entry (read only: not deleted): %s", why)
+            return
         lock = self._lock(digest)
         if not held and not lock.acquire(blocking=False):
             return  # its holder is rewriting it
@@ -262,7 +304,8 @@ class Cache:
             )
         digest = self._digest(name)
         lock = self._lock(digest)
-        lock.acquire(shared=True)
+        if not self.read_only:
+            lock.acquire(shared=True)
         try:
             try:
                 spec, arrays = self._layout.arrays(self._path(digest))
@@ -272,7 +315,8 @@ class Cache:
             self._count(True)
             yield unflatten(spec, list(arrays))  # type: ignore[arg-type]
         finally:
-            lock.release()
+            if not self.read_only:
+                lock.release()
 
     def _count(self, hit: bool) -> None:
         if hit:
@@ -305,7 +349,11 @@ class Cache:
             self._count(value is not _MISSING)
             if value is _MISSING:
                 first.setdefault(digests[i], i)
-        if first:
+        if first and self.read_only:
+            positions = sorted(first.values())
+            for i, value in zip(positions, compute(positions), strict=True):
+                out[i] = value  # served, never stored
+        elif first:
             ours, theirs = self._claim(first)
             self._fill(out, names, digests, ours, compute)
             left = self._wait_for(theirs, out, digests)
@@ -377,6 +425,7 @@ class Cache:
 
     def put(self, name: str, sample: Any) -> None:
         """Store ``sample`` under ``name`` (replacing what was there)."""
+        self._writable(f"store {name}")
         digest = self._digest(name)
         lock = self._lock(digest)
         lock.acquire()
@@ -426,23 +475,33 @@ class Cache:
     @contextlib.contextmanager
     def _usage(self) -> Iterator[list[int]]:
         """``[bytes in entries/, budget (0: none)]``, read and written back in place under the
-        usage file's lock."""
+        usage file's lock (read only: read, never written)."""
         path = self.root / f"usage-{self.format}"
+        if self.read_only:
+            try:
+                with open(path, "rb") as f:
+                    yield self._parse_usage(f.read(64))
+            except FileNotFoundError:
+                yield [self._scan_bytes(), 0]
+            return
         lock = FileLock(path)
         lock.acquire()
         try:
             fd = os.open(path, os.O_RDWR)
             try:
-                raw = os.pread(fd, 64, 0).split()
-                used = int(raw[0]) if raw and raw[0].isdigit() else self._scan_bytes()
-                budget = int(raw[1]) if len(raw) > 1 and raw[1].isdigit() else 0
-                state = [used, budget]
+                state = self._parse_usage(os.pread(fd, 64, 0))
                 yield state
                 os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
             finally:
                 os.close(fd)
         finally:
             lock.release()
+
+    def _parse_usage(self, raw: bytes) -> list[int]:
+        fields = raw.split()
+        used = int(fields[0]) if fields and fields[0].isdigit() else self._scan_bytes()
+        budget = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
+        return [used, budget]
 
     def _add_usage(self, delta: int) -> None:
         with self._usage() as used:
@@ -510,6 +569,7 @@ class Cache:
 
     def delete(self, name: str) -> bool:
         """Remove ``name``'s entry; False when there was none."""
+        self._writable(f"delete {name}")
         digest = self._digest(name)
         lock = self._lock(digest)
         path = self._path(digest)
@@ -534,7 +594,8 @@ class Cache:
                 report.corrupt.append(self._name_of(entry.path))
                 report.removed_bytes += entry.size
                 self._discard(entry.digest, entry.path, exc)
-        self._remove_stale_tmp()
+        if not self.read_only:
+            self._remove_stale_tmp()
         with self._usage() as used:
             used[0] = self._scan_bytes()
         return report
@@ -547,6 +608,7 @@ class Cache:
 
     def prune(self, max_bytes: int | None = None) -> int:
         """Evict down to ``max_bytes`` (default: the folder's budget); entries removed."""
+        self._writable("prune")
         before = self.counters.evictions
         with self._usage() as used:
             target = (used[1] or None) if max_bytes is None else max_bytes
@@ -558,6 +620,7 @@ class Cache:
     def clear(self) -> None:
         """Remove every entry of every format (the directory stays a fastload cache); every
         format's byte count goes back to zero with them."""
+        self._writable("clear")
         self._check_subdirs()
         counters = sorted(self.root.glob("usage-*"))
         locks = [FileLock(path) for path in counters]
