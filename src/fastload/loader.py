@@ -29,7 +29,8 @@ import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from fastload.errors import ConfigError
-from fastload.sampler import PermutationSampler, _default_rank_world, _splitmix64
+from fastload.ranks import rank_world
+from fastload.sampler import PermutationSampler, _splitmix64
 from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, Window, window_report
 from fastload.stats import StageCounters
 
@@ -370,7 +371,7 @@ def _guarded(path: str) -> bool:
 
 
 def _worker_seed(seed: int) -> int:
-    rank, _ = _default_rank_world()
+    rank, _ = rank_world()
     return _splitmix64((seed & (2**64 - 1)) ^ _splitmix64(rank + 1)) >> 1
 
 

@@ -22,11 +22,11 @@ from typing import Any, TypeVar, overload
 
 import fsspec.asyn
 import numpy as np
-import torch.distributed as dist
 
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetch import Request
+from fastload.ranks import on_rank_zero
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
@@ -179,7 +179,7 @@ class Manifest(Sequence[Entry]):
         default :meth:`FetchConfig.from_env`).
         """
         config = fetch_config or FetchConfig.from_env()
-        return _on_rank_zero(
+        return on_rank_zero(
             lambda: cls._list(
                 url,
                 pattern=pattern,
@@ -581,21 +581,3 @@ def _maybe_int(value: Any) -> int | str:
         return int(text)
     except ValueError:
         return text
-
-
-def _on_rank_zero(build: Callable[[], T]) -> T:
-    """Run ``build`` on rank 0 only and broadcast its result (or its error) to every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return build()
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload[0] = (True, build())
-        except Exception as exc:  # re-raised on every rank, so no rank waits forever
-            payload[0] = (False, exc)
-    dist.broadcast_object_list(payload, src=0)
-    ok, value = payload[0]
-    if not ok:
-        raise value
-    result: T = value
-    return result

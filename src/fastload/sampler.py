@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from fastload.errors import ConfigError
+from fastload.ranks import rank_world
 
 logger = logging.getLogger(__name__)
 
@@ -115,19 +114,6 @@ def _chunks(length: int) -> Iterator[tuple[int, int]]:
         start, size = start + size, _CHUNK
 
 
-def _default_rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "torch_xla" in sys.modules:
-        try:
-            import torch_xla.runtime as xr  # noqa: PLC0415  (optional, only when in use)
-
-            return int(xr.global_ordinal()), int(xr.world_size())
-        except (ImportError, RuntimeError):
-            pass
-    return 0, 1
-
-
 @dataclass(frozen=True)
 class _Plan:
     """How one epoch (from ``start``) is laid out over the ranks."""
@@ -174,7 +160,7 @@ class PermutationSampler(Sampler[int]):
     ) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _MAX_N:
             raise ConfigError(f"PermutationSampler: n must be an int in [0, 2**62), got {n!r}")
-        default_rank, default_world = _default_rank_world()
+        default_rank, default_world = rank_world()
         world_size = default_world if world_size is None else world_size
         rank = default_rank if rank is None else rank
         if world_size < 1:

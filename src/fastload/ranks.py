@@ -1,0 +1,113 @@
+"""Who this process is among a job's training processes, and work done once for all of them.
+
+One place for both ways a job's processes know each other: ``torch.distributed`` (when its
+process group is initialised) and torch_xla's runtime (under ``torch_xla.launch``, which needs
+no process group). The sampler shards by :func:`rank_world`; :func:`on_rank_zero` lets rank 0
+list a bucket while the others wait and receive its result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["on_rank_zero", "rank_world"]
+
+T = TypeVar("T")
+_calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
+_WAIT = timedelta(hours=6)  # rank 0 may list a large bucket for a long time
+
+
+def _torch_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _xla_runtime() -> Any | None:
+    """torch_xla's runtime when a job runs under it (imported only if torch_xla already is)."""
+    if "torch_xla" not in sys.modules:
+        return None
+    try:
+        import torch_xla.runtime as xr  # noqa: PLC0415  (optional, only when in use)
+
+        xr.world_size()
+    except (ImportError, RuntimeError):
+        return None
+    return xr
+
+
+def rank_world() -> tuple[int, int]:
+    """``(rank, world size)``: torch.distributed's, else torch_xla's, else ``(0, 1)``."""
+    if _torch_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    xr = _xla_runtime()
+    if xr is not None:
+        return int(xr.global_ordinal()), int(xr.world_size())
+    return 0, 1
+
+
+def on_rank_zero(build: Callable[[], T], tag: str = "fastload") -> T:
+    """``build()`` on rank 0 only; every rank gets its result (or raises its error)."""
+    rank, world = rank_world()
+    if world == 1:
+        return build()
+    outcome: tuple[bool, Any] | None = None
+    if rank == 0:
+        try:
+            outcome = (True, build())
+        except Exception as exc:  # raised on every rank, so no rank waits forever
+            outcome = (False, exc)
+    ok, value = _broadcast(outcome, tag)
+    if not ok:
+        raise value
+    result: T = value
+    return result
+
+
+def _broadcast(outcome: tuple[bool, Any] | None, tag: str) -> tuple[bool, Any]:
+    """Rank 0's ``outcome`` on every rank: through torch.distributed's process group, or,
+    under torch_xla with none, through a key-value store that rank 0 serves (XLA collectives
+    would do on TPUs, but XLA:CPU has none across processes)."""
+    if _torch_distributed():
+        payload: list[Any] = [outcome]
+        dist.broadcast_object_list(payload, src=0)
+        received: tuple[bool, Any] = payload[0]
+        return received
+    rank, world = rank_world()
+    store = _store(rank)
+    calls = _calls.setdefault(rank, itertools.count())
+    key = f"fastload/{tag}/{next(calls)}"  # every rank makes the same calls in the same order
+    if rank == 0:
+        store.set(key, pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+        while store.add(f"{key}/read", 0) < world - 1:  # rank 0 serves until all have it
+            time.sleep(0.01)
+        store.delete_key(key)
+        return outcome  # type: ignore[return-value]
+    store.wait([key], _WAIT)
+    sent: tuple[bool, Any] = pickle.loads(store.get(key))
+    store.add(f"{key}/read", 1)
+    return sent
+
+
+_stores: dict[tuple[int, int], Any] = {}
+
+
+def _store(rank: int) -> Any:
+    """This rank's client of the store rank 0 serves (at ``MASTER_ADDR``, else localhost, and
+    ``FASTLOAD_STORE_PORT``, else 29517); one per rank, as ranks may be threads of one process
+    (XLA:CPU, TPU v2/v3)."""
+    where = (os.getpid(), rank)
+    if where not in _stores:
+        host = os.environ.get("MASTER_ADDR") or "localhost"
+        port = int(os.environ.get("FASTLOAD_STORE_PORT", "29517"))
+        _stores[where] = dist.TCPStore(  # type: ignore[attr-defined]
+            host, port, is_master=rank == 0, wait_for_workers=False, timeout=_WAIT
+        )
+    return _stores[where]
