@@ -130,7 +130,11 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
     assert fetcher.stats.requests == requests  # no request while it is in quarantine
     alone = Fetcher(config=FetchConfig(retries=2, outage_budget=0.5, backoff=0.05))
     with pytest.raises(TransientStoreError, match=r"truncated body"):
-        alone.fetch([bad])  # nothing answered: treated as an outage, retried for 0.5 s
+        alone.fetch([bad])  # the store never answered: no outage to wait out
+    assert alone.stats.outage_retries == 0 and alone.stats.retries == 2
+    alone.fetch(good)
+    with pytest.raises(TransientStoreError, match=r"truncated body"):
+        alone.fetch([bad])  # nothing else answers meanwhile: waited for, 0.5 s, as an outage
     assert alone.stats.outage_retries > 0 and alone.stats.quarantined == 0
 
 

@@ -203,7 +203,8 @@ class Fetcher:
 
         The store answers others if a request succeeded since this one's previous failure, or
         since its first one while no other request failed (a broken object beside a healthy
-        store whose other reads are done).
+        store whose other reads are done). A store that never answered this Fetcher is not
+        waited for: a wrong endpoint or a store down at the start fails after ``retries``.
         """
         config = self.config
         started = previous = time.monotonic()
@@ -222,7 +223,7 @@ class Fetcher:
                 self._quarantined[url] = now + config.quarantine
                 self.stats.quarantined += 1
                 return True
-            if now - started >= config.outage_budget:
+            if not self._last_ok or now - started >= config.outage_budget:
                 return True
             self.stats.retries += 1
             self.stats.outage_retries += 1

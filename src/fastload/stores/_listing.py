@@ -238,26 +238,31 @@ async def list_parallel(
     """Every key under ``prefix``, sorted, listed over concurrently running key ranges.
 
     Each page request gets ``config.timeout`` seconds; one that fails transiently is asked for
-    again as fetches are (``retries``, then for as long as ``outage_budget`` lasts).
+    again as fetches are (``retries``, then, once the store has answered a page, for as long as
+    ``outage_budget`` lasts).
     """
     gate = asyncio.Semaphore(concurrency)
     found: dict[str, Listed] = {}
     empty: dict[str, asyncio.Task[bool]] = {}
     started = time.monotonic()
+    answered = False
 
     def give_up(failures: int) -> bool:
         outlasted = time.monotonic() - started >= config.outage_budget
-        return failures > config.retries and outlasted
+        return failures > config.retries and (outlasted or not answered)
 
     async def timed(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
+        nonlocal answered
         try:
-            return await asyncio.wait_for(
+            page = await asyncio.wait_for(
                 lister.page(scope, start_after, token, limit), config.timeout
             )
         except TimeoutError:
             if isinstance(token, _Stream):
                 token.broken = True  # a stream cut off mid-page is not read again
             raise
+        answered = True
+        return page
 
     async def ask(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
         async with gate:
