@@ -324,6 +324,14 @@ def test_credentials_never_reach_the_terminal(token: str) -> None:
     assert "never-print-me" not in done.stdout + done.stderr, done.stderr
 
 
+def test_bench_is_the_diagnosis_only_and_never_imports_the_repository() -> None:
+    """#20: `fastload bench` ran whatever package named `benchmarks` came first on sys.path."""
+    done = fastload("bench")
+    assert done.returncode == 2 and "--diagnose" in done.stderr
+    source = (REPO / "src" / "fastload" / "_cli" / "app.py").read_text()
+    assert "benchmarks" not in source
+
+
 def test_version_and_help() -> None:
     from fastload import __version__
 

@@ -506,12 +506,10 @@ def cache_clear(
 
 @app.command("bench")
 def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
-    quick: Annotated[bool, typer.Option(help="Small sizes (< 3 min).")] = False,
-    only: Annotated[list[str] | None, typer.Option(help="Scenario names (repeatable).")] = None,
     diagnose: Annotated[
-        str | None,
+        str,
         typer.Option(help="URL: time a loader over it alone and with a step; say which limits."),
-    ] = None,
+    ],
     cache_dir: Annotated[
         Path | None, typer.Option("--cache-dir", "-c", help="--diagnose: cache directory.")
     ] = None,
@@ -530,22 +528,14 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     storage_option: StorageOptions = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run the benchmark scenarios (from a checkout), or --diagnose one data source."""
-    if diagnose is not None:
-        fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
-        result = _diagnose(
-            diagnose, cache_dir, format, _decoder(decode), transform, batch_size, workers,
-            steps, fn, parse_options(storage_option),
-        )  # fmt: skip
-        _emit(result, as_json, lambda: out.print(result["verdict"]))
-        return
-    try:
-        bench = importlib.import_module("benchmarks.__main__")
-    except ImportError:
-        raise ConfigError(
-            "fastload bench runs from a fastload checkout (benchmarks/ is not installed)"
-        ) from None
-    bench.main([*(["--quick"] if quick else []), *(["--only", *only] if only else [])])
+    """--diagnose one data source: is the loader or the step the bottleneck? (The benchmark
+    suite against the peers is a tool of the repository: ``make bench``.)"""
+    fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
+    result = _diagnose(
+        diagnose, cache_dir, format, _decoder(decode), transform, batch_size, workers,
+        steps, fn, parse_options(storage_option),
+    )  # fmt: skip
+    _emit(result, as_json, lambda: out.print(result["verdict"]))
 
 
 def _sleep(seconds: float) -> Callable[[Any], None]:

@@ -62,6 +62,9 @@ async def read(
         return await _s3(fs, path, span, timeout)
     if protocols & {"gs", "gcs"} and version and version.isdigit():
         return await asyncio.wait_for(_gcs(fs, path, start, end, version), timeout)
+    fast = getattr(fs, "read_async", None)  # a filesystem of fastload's own (b2://) that can
+    if fast is not None:
+        return await fast(path, span, timeout)  # type: ignore[no-any-return]
     if fs.async_impl:
         data = await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout)
         return Body(bytes(data))

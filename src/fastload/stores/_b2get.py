@@ -1,0 +1,145 @@
+"""B2 downloads as plain HTTP GETs on the event loop, not through b2sdk's threads.
+
+b2sdk downloads through ``requests`` on a thread, at about 5 ms of CPU per object on the
+development machine (docs/benchmarks.md, the DICOM scenario): on 2 cores, that is the ceiling of
+a cold epoch of small objects. A download by name is one GET with the account's token, which
+aiohttp does on fsspec's IO loop (the one gcsfs uses) for a fraction of that. Authorizing,
+listing and writing stay with b2sdk; a token that expires is renewed once and the GET repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from fastload.errors import (
+    AccessDeniedError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+from fastload.stores._reads import PROGRESS_CHUNK, Body, progressing
+
+__all__ = ["Downloads"]
+
+Authorize = Callable[[bool], tuple[str, str]]  # renew? -> (download URL, auth token)
+_RENEW = {"expired_auth_token", "bad_auth_token"}
+_NOT_FOUND = {"not_found", "no_such_file", "file_not_present", "bad_bucket_id"}
+
+
+class Downloads:
+    """GETs of ``/file/<bucket>/<name>`` for one B2 account (``authorize`` says where, as whom)."""
+
+    def __init__(self, authorize: Authorize, quote: Callable[[str], str]) -> None:
+        self._authorize = authorize
+        self._quote = quote
+        self._auth: tuple[int, str, str] | None = None  # (pid, download URL, token)
+        self._sessions: dict[tuple[int, int], aiohttp.ClientSession] = {}
+
+    async def get(
+        self, bucket: str, key: str, span: tuple[int, int | None], timeout: float
+    ) -> Body | None:
+        """The bytes ``span`` = ``[start, end)`` with the file id and SHA-1 B2 names for them;
+        None when the range starts past the end (the caller knows the size to ask for)."""
+        start, end = span
+        headers = {}
+        if end is not None:
+            headers["Range"] = f"bytes={start}-{end - 1}"
+        elif start:
+            headers["Range"] = f"bytes={start}-"
+        url = f"b2://{bucket}/{key}"
+        for renew in (False, True):
+            base, token = await self._token(renew)
+            target = f"{base}/file/{bucket}/{self._quote(key)}"
+            session = self._session()
+            request = session.get(target, headers={**headers, "Authorization": token})
+            response = await asyncio.wait_for(request, timeout)
+            try:
+                if response.status in (200, 206):
+                    data = b"".join(await _body(response, timeout))
+                    return _checked(response, data, whole="Range" not in headers, url=url)
+                code, message = await _error(response)
+            finally:
+                response.release()
+            if response.status == 401 and code in _RENEW and not renew:
+                continue
+            if response.status == 416:
+                return None
+            raise _failure(response.status, code, message, url)
+        raise AccessDeniedError("the renewed authorization was refused", url=url)
+
+    async def _token(self, renew: bool) -> tuple[str, str]:
+        auth = self._auth
+        if renew or auth is None or auth[0] != os.getpid():
+            base, token = await asyncio.to_thread(self._authorize, renew)
+            self._auth = auth = (os.getpid(), base.rstrip("/"), token)
+        return auth[1], auth[2]
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        where = (os.getpid(), id(loop))
+        session = self._sessions.get(where)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=256, ttl_dns_cache=300)
+            session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+            self._sessions[where] = session
+            atexit.register(_close, loop, session)
+        return session
+
+
+async def _body(response: aiohttp.ClientResponse, timeout: float) -> list[bytes]:
+    async def chunk() -> bytes:
+        data = await response.content.read(PROGRESS_CHUNK)
+        if not data:
+            raise EOFError
+        return data
+
+    return await progressing(chunk, timeout, EOFError)
+
+
+def _checked(response: aiohttp.ClientResponse, data: bytes, *, whole: bool, url: str) -> Body:
+    """The body with what B2 says it is; a whole object must match its SHA-1 (b2sdk checked
+    it too: a body damaged on the way is retried, never used)."""
+    sha1 = response.headers.get("x-bz-content-sha1", "").removeprefix("unverified:")
+    if whole and sha1 not in ("", "none") and hashlib.sha1(data).hexdigest() != sha1:
+        raise TransientStoreError("the body does not match its SHA-1", url=url)
+    file_id = response.headers.get("x-bz-file-id", "")
+    return Body(data, tuple(v for v in (file_id, sha1) if v and v != "none"))
+
+
+async def _error(response: aiohttp.ClientResponse) -> tuple[str, str]:
+    text = await response.text(errors="replace")
+    try:
+        payload: Any = json.loads(text)
+    except ValueError:
+        return "", text[:200]
+    if not isinstance(payload, dict):
+        return "", text[:200]
+    return str(payload.get("code", "")), str(payload.get("message", ""))[:200]
+
+
+def _failure(status: int, code: str, message: str, url: str) -> StoreError:
+    detail = f"B2 said {status} {code}: {message}".rstrip(": ")
+    if status == 404 or code in _NOT_FOUND:  # B2 names a missing bucket with a 400
+        return ObjectNotFoundError(detail, url=url)
+    if status in (401, 403):
+        return AccessDeniedError(detail, url=url)
+    if status in (408, 429) or status >= 500:
+        return TransientStoreError(detail, url=url)
+    return StoreError(detail, url=url)
+
+
+def _close(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -> None:
+    if loop.is_running() and not session.closed:
+        future = asyncio.run_coroutine_threadsafe(session.close(), loop)
+        try:
+            future.result(timeout=2)
+        except Exception:
+            future.cancel()
