@@ -91,14 +91,14 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
     filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
     config = FetchConfig(timeout=0.5, retries=0, outage_budget=0, fast_path=route != "s3-s3fs")
     with FaultProxy(server.endpoint, flavor="b2" if route == "b2" else "s3") as proxy:
-        options = server.storage_options(proxy.endpoint)
+        fetcher = Fetcher(server.storage_options(proxy.endpoint), config)
+        fetcher.fetch([Request(url, 0, 10)])  # clients made and signed in: not what is timed
         proxy.set_faults(Faults(bandwidth=1_000_000, methods=("GET",)))
-        fetcher = Fetcher(options, config)
         assert fetcher.fetch([Request(url, size=len(body))]) == [body]
         assert fetcher.stats.retries == 0
         proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0, methods=("GET",)))
         with pytest.raises(TransientStoreError, match=r"nothing received for 0\.5 s"):
-            Fetcher(options, config).fetch([Request(url, size=len(body))])
+            fetcher.fetch([Request(url, size=len(body))])
 
 
 def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:

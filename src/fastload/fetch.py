@@ -25,7 +25,7 @@ from fastload.errors import ConfigError, ObjectChangedError, TransientStoreError
 from fastload.stats import FetchStats
 from fastload.stores import StoreURL, _fast, _reads, fast_reader, filesystem, parse_url, translate
 from fastload.stores._perprocess import PerProcessCache
-from fastload.stores._reads import Body
+from fastload.stores._reads import Body, Patience
 from fastload.stores._retry import retrying
 
 __all__ = ["Fetcher", "Request", "fetch"]
@@ -267,9 +267,9 @@ class Fetcher:
 
     def _call(self, request: Request, target: _Target) -> Awaitable[Body]:
         start, end = request.start, request.end
-        timeout = self.config.timeout
+        patience = Patience(self.config.timeout, request.expected_length())
         if target.fast is not None:
-            return _fast.read(target.fast, target.key, (start, end), timeout)
+            return _fast.read(target.fast, target.key, (start, end), patience)
         executor = self._executor()
         return _reads.read(
             target.fs,
@@ -277,7 +277,7 @@ class Fetcher:
             (start, end),
             version=request.version,
             executor=executor,
-            timeout=timeout,
+            patience=patience,
         )
 
     async def _attempt(self, request: Request, target: _Target) -> bytes:

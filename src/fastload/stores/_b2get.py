@@ -25,7 +25,7 @@ from fastload.errors import (
     StoreError,
     TransientStoreError,
 )
-from fastload.stores._reads import PROGRESS_CHUNK, Body, progressing
+from fastload.stores._reads import Body, Patience, progressing
 
 __all__ = ["Downloads"]
 
@@ -44,7 +44,7 @@ class Downloads:
         self._sessions: dict[tuple[int, int], aiohttp.ClientSession] = {}
 
     async def get(
-        self, bucket: str, key: str, span: tuple[int, int | None], timeout: float
+        self, bucket: str, key: str, span: tuple[int, int | None], patience: Patience
     ) -> Body | None:
         """The bytes ``span`` = ``[start, end)`` with the file id and SHA-1 B2 names for them;
         None when the range starts past the end (the caller knows the size to ask for)."""
@@ -55,6 +55,7 @@ class Downloads:
         elif start:
             headers["Range"] = f"bytes={start}-"
         url = f"b2://{bucket}/{key}"
+        timeout = patience.timeout
         for renew in (False, True):
             base, token = await self._token(renew)
             target = f"{base}/file/{bucket}/{self._quote(key)}"
@@ -63,7 +64,7 @@ class Downloads:
             response = await asyncio.wait_for(request, timeout)
             try:
                 if response.status in (200, 206):
-                    data = b"".join(await _body(response, timeout))
+                    data = await _body(response, patience)
                     return _checked(response, data, whole="Range" not in headers, url=url)
                 code, message = await _error(response)
             finally:
@@ -94,14 +95,17 @@ class Downloads:
         return session
 
 
-async def _body(response: aiohttp.ClientResponse, timeout: float) -> list[bytes]:
+async def _body(response: aiohttp.ClientResponse, patience: Patience) -> bytes:
+    if patience.whole:
+        return await asyncio.wait_for(response.read(), patience.timeout)
+
     async def chunk() -> bytes:
-        data = await response.content.read(PROGRESS_CHUNK)
+        data = await response.content.read(patience.chunk)
         if not data:
             raise EOFError
         return data
 
-    return await progressing(chunk, timeout, EOFError)
+    return b"".join(await progressing(chunk, patience.timeout, EOFError))
 
 
 def _checked(response: aiohttp.ClientResponse, data: bytes, *, whole: bool, url: str) -> Body:

@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from fastload.stores._perprocess import PerProcessCache
-from fastload.stores._reads import PROGRESS_CHUNK, Body, progressing
+from fastload.stores._reads import Body, Patience, progressing
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,12 @@ def readable(key: str) -> bool:
     return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
 
 
-async def read(store: Any, key: str, span: tuple[int | None, int | None], timeout: float) -> Body:
+async def read(
+    store: Any, key: str, span: tuple[int | None, int | None], patience: Patience
+) -> Body:
     """``key``'s bytes ``span`` = ``[start, end)`` (non-negative offsets) through obstore, with
-    the ETag the store served them under; ``TimeoutError`` after ``timeout`` s without a byte."""
+    the ETag the store served them under; ``TimeoutError`` after ``patience.timeout`` s without
+    a byte."""
     obstore = _obstore()
     start, end = span
     begin = start or 0
@@ -137,9 +140,13 @@ async def read(store: Any, key: str, span: tuple[int | None, int | None], timeou
         options["range"] = (begin, end)
     elif begin:
         options["range"] = {"offset": begin}
+    timeout = patience.timeout
     result = await asyncio.wait_for(obstore.get_async(store, key, options=options), timeout)
-    stream = result.stream(min_chunk_size=PROGRESS_CHUNK)
-    data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))
+    if patience.whole:
+        data = bytes(await asyncio.wait_for(result.bytes_async(), timeout))
+    else:
+        stream = result.stream(min_chunk_size=patience.chunk)
+        data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))
     etag = result.meta.get("e_tag")
     return Body(data, (str(etag).strip('"'),) if etag else ())
 

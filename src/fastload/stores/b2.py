@@ -25,7 +25,7 @@ from fastload._extras import import_extra
 from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError, StoreError
 from fastload.stores._b2get import Downloads
 from fastload.stores._errors import translate
-from fastload.stores._reads import Body
+from fastload.stores._reads import Body, Patience
 
 __all__ = ["B2FileSystem"]
 
@@ -248,29 +248,24 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         return self.read_body(path, start, end).data
 
     async def read_async(
-        self, path: str, span: tuple[int | None, int | None], timeout: float
+        self, path: str, span: tuple[int | None, int | None], patience: Patience
     ) -> Body:
         """The bytes ``span`` = ``[start, end)`` by one GET on the running event loop (see
-        :mod:`fastload.stores._b2get`); ``TimeoutError`` after ``timeout`` s without a byte."""
+        :mod:`fastload.stores._b2get`); ``TimeoutError`` after ``patience.timeout`` s without
+        a byte."""
         start, end = span
         path = self._strip_protocol(path)
         if (start or 0) >= 0 and (end is None or end >= 0):
             bucket, key = self._split(path)
-            body = await self._downloads.get(bucket, key, (start or 0, end), timeout)
+            body = await self._downloads.get(bucket, key, (start or 0, end), patience)
             if body is not None:
                 return body
         # a suffix or a range past the end: read_body asks for the size first
         return await asyncio.to_thread(self.read_body, path, start, end)
 
-    def read_body(
-        self,
-        path: str,
-        start: int | None = None,
-        end: int | None = None,
-        sink: io.BytesIO | None = None,
-    ) -> Body:
-        """The bytes ``[start, end)`` and the file id and SHA-1 of the version they came from;
-        they arrive in ``sink`` (whose growth a caller may watch)."""
+    def read_body(self, path: str, start: int | None = None, end: int | None = None) -> Body:
+        """The bytes ``[start, end)`` and the file id and SHA-1 of the version they came from,
+        through b2sdk (a suffix or a range past the end: it knows the size)."""
         path = self._strip_protocol(path)
         bucket_name, key = self._split(path)
         if (start or 0) < 0 or (end is not None and end < 0) or (start and end is None):
@@ -280,7 +275,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         start = start or 0
         if end is not None and end <= start:
             return Body(b"")
-        buffer = io.BytesIO() if sink is None else sink
+        buffer = io.BytesIO()
         bucket = self._bucket(bucket_name)
         try:
             with _translated(path):
@@ -297,9 +292,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
             size = self.info(path)["size"]  # a range past the end reads to the end
             if start >= size:
                 return Body(b"")
-            buffer.seek(0)
-            buffer.truncate()
-            return self.read_body(path, start, min(end or size, size), buffer)
+            return self.read_body(path, start, min(end or size, size))
         served = downloaded.download_version
         return Body(buffer.getvalue(), (served.id_, served.content_sha1))
 
