@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -136,6 +137,28 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
     with pytest.raises(TransientStoreError, match=r"truncated body"):
         alone.fetch([bad])  # nothing else answers meanwhile: waited for, 0.5 s, as an outage
     assert alone.stats.outage_retries > 0 and alone.stats.quarantined == 0
+
+
+def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_two_stalls(
+    tmp_path: Path,
+) -> None:
+    """#19: a stalled object cost 7 timeouts; now 2 (a FIFO with no writer never answers)."""
+    good = []
+    for i in range(4):
+        (tmp_path / f"{i}.bin").write_bytes(b"12345")
+        good.append(Request(str(tmp_path / f"{i}.bin"), size=5))
+    stuck = tmp_path / "stuck.bin"
+    os.mkfifo(stuck)
+    fetcher = Fetcher(config=FetchConfig(timeout=0.3, retries=6, backoff=0.01, quarantine=60))
+    try:
+        out = fetcher.fetch([*good, Request(str(stuck), size=5)], return_exceptions=True)
+    finally:  # let the abandoned readers' open() return
+        with contextlib.suppress(OSError):  # ENXIO: no reader left waiting
+            os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))
+    assert out[:4] == [b"12345"] * 4
+    assert isinstance(out[4], TransientStoreError) and "quarantined" in str(out[4])
+    assert "nothing received for 0.3 s" in str(out[4])
+    assert fetcher.stats.requests == 4 + 2 and fetcher.stats.quarantined == 1
 
 
 def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path) -> None:

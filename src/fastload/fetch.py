@@ -32,6 +32,9 @@ __all__ = ["Fetcher", "Request", "fetch"]
 
 log = logging.getLogger(__name__)
 _OUTAGE_LOG_EVERY = 10.0  # seconds between warnings while the store answers nothing
+_STALLS = (
+    2  # stalls (a whole timeout each) after which an object beside a working store is given up
+)
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,10 @@ class Fetcher:
             return False
         return until is not None
 
-    def _patience(self, url: str) -> Callable[[int], bool]:
+    def _patience(self, url: str) -> Callable[[int, BaseException], bool]:
         """When to give up on ``url``: after ``retries`` if the store answers others meanwhile
-        (the object is failing: quarantine it), else when the outage outlasts its budget.
+        (the object is failing: quarantine it), or after its second stall (each cost a whole
+        ``timeout``), else when the outage outlasts its budget.
 
         The store answers others if a request succeeded since this one's previous failure, or
         since its first one while no other request failed (a broken object beside a healthy
@@ -209,17 +213,20 @@ class Fetcher:
         config = self.config
         started = previous = time.monotonic()
         mark = self._transient_failures
+        stalls = 0
 
-        def give_up(failures: int) -> bool:
-            nonlocal previous
+        def give_up(failures: int, error: BaseException) -> bool:
+            nonlocal previous, stalls
             now, since = time.monotonic(), previous
             previous = now
             self._transient_failures += 1
-            if failures <= config.retries:
+            stalls += isinstance(error.__cause__, TimeoutError)
+            others_failed = self._transient_failures - mark > failures
+            answering = self._last_ok > since or (self._last_ok > started and not others_failed)
+            if failures <= config.retries and not (stalls >= _STALLS and answering):
                 self.stats.retries += 1
                 return False
-            others_failed = self._transient_failures - mark > failures
-            if self._last_ok > since or (self._last_ok > started and not others_failed):
+            if answering:
                 self._quarantined[url] = now + config.quarantine
                 self.stats.quarantined += 1
                 return True

@@ -75,6 +75,7 @@ class ChunkReader:
         self._reading: dict[Chunk, Future[Any]] = {}
         self.reads = 0
         self.hits = 0
+        self.seeded = 0
 
     def __getstate__(self) -> dict[str, Any]:  # a worker starts with nothing kept
         keep = ("memory_bytes", "_load", "_weigh", "shared", "_owner")
@@ -133,6 +134,14 @@ class ChunkReader:
 
         found = self.shared.get_many(names, fetched)
         return [b if isinstance(b, BaseException) else b.tobytes() for b in found]
+
+    def seed(self, chunk: Chunk, body: bytes) -> None:
+        """Keep ``chunk``'s bytes, read already (a shard's index read them), as if just read."""
+        value = self._loaded(chunk, body)
+        if not isinstance(value, BaseException):
+            with self._lock:
+                self._keep(chunk, value)
+                self.seeded += 1
 
     def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
         bodies = self._bodies(chunks, fetcher)

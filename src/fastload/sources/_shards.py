@@ -63,6 +63,10 @@ class Shards:
                 "%s: %d objects are not %s shards", self.root, len(manifest) - len(found), self.kind
             )
         self.shards: list[Entry] = []
+        # bytes that indexing read from the start of a shard, by URL: they seed the chunk
+        # memory, so a shard of small members (read whole to be indexed) is not read again
+        self._seeds: dict[str, bytes] = {}
+        self._seed_limit = self.config.memory_bytes // max(1, len(found))
         self._chunks: list[Chunk] = []
         self._chunk_shard: list[int] = []
         self._firsts: list[int] = []
@@ -79,6 +83,11 @@ class Shards:
             )
         self.blocks = np.asarray(self._firsts, dtype=np.int64)
         self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
+        for chunk in self._chunks:
+            seed = self._seeds.get(chunk.url, b"")
+            if chunk.end <= len(seed):
+                self.reader.seed(chunk, seed[chunk.start : chunk.end])
+        self._seeds.clear()
 
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:

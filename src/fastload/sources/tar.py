@@ -34,6 +34,7 @@ INDEX_VERSION = "tar-index/1"
 _BLOCK = tarfile.BLOCKSIZE
 _BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the first dot of the name
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
+_GAP = 256 << 10  # a window starting at most this far past the last starts at its end
 
 
 class TarShards(Shards):
@@ -54,7 +55,10 @@ class TarShards(Shards):
         super().__init__(*args, **kwargs)
 
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
-        return _read_headers(shard, fetcher)
+        index, prefix = _read_headers(shard, fetcher, self._seed_limit)
+        if prefix:
+            self._seeds[shard.url] = prefix
+        return index
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
@@ -129,9 +133,10 @@ class TarShards(Shards):
         return out
 
 
-def _read_headers(shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
-    """The regular members of one tar shard: name, header and data offsets, size, header crc."""
-    file = _RangedFile(shard, fetcher)
+def _read_headers(shard: Entry, fetcher: Fetcher, keep: int) -> tuple[dict[str, np.ndarray], bytes]:
+    """The regular members of one tar shard (name, header and data offsets, size, header crc),
+    and the bytes read from its start on, up to ``keep`` of them."""
+    file = _RangedFile(shard, fetcher, keep)
     names: list[str] = []
     header: list[int] = []
     data: list[int] = []
@@ -158,7 +163,7 @@ def _read_headers(shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
         at = f" after member {names[-1]!r}" if names else ""
         raise ShardError(f"not a readable tar{at} ({exc})", url=shard.url) from exc
     blob = Strings.of(names)
-    return {
+    index = {
         "name_blob": blob.blob,
         "name_ends": blob.ends,
         "header": np.asarray(header, np.int64),
@@ -166,15 +171,20 @@ def _read_headers(shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
         "size": np.asarray(size, np.int64),
         "crc": np.asarray(crc, np.int64),
     }
+    return index, bytes(file.prefix)
 
 
 class _RangedFile:
     """A read-only file over one shard that reads ahead in windows: a window grows while
     headers keep landing in it (small members) and shrinks when a seek jumps past it (large
-    members are hopped over, not read)."""
+    members are hopped over, not read). A window that would start just past the last one
+    starts at its end instead, so a shard of small members is read in one contiguous run,
+    whose first ``keep`` bytes are kept (``prefix``)."""
 
-    def __init__(self, shard: Entry, fetcher: Fetcher) -> None:
+    def __init__(self, shard: Entry, fetcher: Fetcher, keep: int = 0) -> None:
         self.shard, self.fetcher = shard, fetcher
+        self.keep = keep
+        self.prefix = bytearray()
         self.position = 0
         self.window = 1 << 20
         self.buffer, self.buffer_start = b"", 0
@@ -204,10 +214,14 @@ class _RangedFile:
                 jumped = offset >= buffer_end + self.window
                 self.window = max(_MIN_WINDOW, self.window // 4) if jumped else self.window * 2
                 self.window = min(self.window, _MAX_WINDOW)
-            stop = min(max(end, offset + self.window), self.shard.size)
-            request = self.shard.request(offset, stop)
-            (self.buffer,) = self.fetcher.fetch([request])
-            self.buffer_start = offset
+            start = buffer_end if buffer_end <= offset <= buffer_end + _GAP else offset
+            stop = min(max(end, start + self.window), self.shard.size)
+            (self.buffer,) = self.fetcher.fetch([self.shard.request(start, stop)])
+            self.buffer_start = start
             self.requests += 1
+            if start == len(self.prefix) and len(self.prefix) + len(self.buffer) <= self.keep:
+                self.prefix += self.buffer
+            else:
+                self.keep = 0  # a hop: what follows is not contiguous
         at = offset - self.buffer_start
         return self.buffer[at : at + end - offset]

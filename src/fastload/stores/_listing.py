@@ -247,7 +247,7 @@ async def list_parallel(
     started = time.monotonic()
     answered = False
 
-    def give_up(failures: int) -> bool:
+    def give_up(failures: int, _error: BaseException) -> bool:
         outlasted = time.monotonic() - started >= config.outage_budget
         return failures > config.retries and (outlasted or not answered)
 

@@ -17,12 +17,12 @@ __all__ = ["retrying"]
 async def retrying(
     attempt: Callable[[], Awaitable[T]],
     *,
-    give_up: Callable[[int], bool],
+    give_up: Callable[[int, BaseException], bool],
     backoff: float,
     max_backoff: float,
     on_retry: Callable[[BaseException], None] | None = None,
 ) -> T:
-    """``await attempt()``, again after each transient failure until ``give_up(failures)``.
+    """``await attempt()``, again after each transient failure until ``give_up(failures, it)``.
 
     Not-found, access-denied and unclassified errors are raised at once; the last transient one
     is raised when ``give_up`` says so. The backoff ceiling doubles with each failure.
@@ -33,7 +33,7 @@ async def retrying(
             return await attempt()
         except Exception as exc:
             failures += 1
-            if classify(exc) is not Kind.TRANSIENT or give_up(failures):
+            if classify(exc) is not Kind.TRANSIENT or give_up(failures, exc):
                 raise
             if on_retry is not None:
                 on_retry(exc)
