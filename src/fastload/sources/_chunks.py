@@ -59,7 +59,7 @@ class ChunkReader:
     def __init__(
         self,
         memory_bytes: int,
-        load: Callable[[Chunk, bytes], Any],
+        load: Callable[[Chunk, bytes | memoryview], Any],
         weigh: Callable[[Any], int],
     ) -> None:
         self.memory_bytes = memory_bytes
@@ -135,7 +135,7 @@ class ChunkReader:
         found = self.shared.get_many(names, fetched)
         return [b if isinstance(b, BaseException) else b.tobytes() for b in found]
 
-    def seed(self, chunk: Chunk, body: bytes) -> None:
+    def seed(self, chunk: Chunk, body: bytes | memoryview) -> None:
         """Keep ``chunk``'s bytes, read already (a shard's index read them), as if just read."""
         value = self._loaded(chunk, body)
         if not isinstance(value, BaseException):
@@ -153,7 +153,7 @@ class ChunkReader:
                     self._keep(chunk, value)
                 self._reading.pop(chunk).set_result(value)
 
-    def _loaded(self, chunk: Chunk, body: bytes) -> Any:
+    def _loaded(self, chunk: Chunk, body: bytes | memoryview) -> Any:
         try:
             return self._load(chunk, body)
         except ShardError as exc:

@@ -84,9 +84,9 @@ class Shards:
         self.blocks = np.asarray(self._firsts, dtype=np.int64)
         self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
         for chunk in self._chunks:
-            seed = self._seeds.get(chunk.url, b"")
+            seed = memoryview(self._seeds.get(chunk.url, b""))
             if chunk.end <= len(seed):
-                self.reader.seed(chunk, seed[chunk.start : chunk.end])
+                self.reader.seed(chunk, seed[chunk.start : chunk.end])  # a view: no copy
         self._seeds.clear()
 
     # -- what a format says ----------------------------------------------------------------
@@ -99,7 +99,7 @@ class Shards:
     def _name(self, index: int) -> str:
         raise NotImplementedError
 
-    def _load(self, chunk: Chunk, body: bytes) -> Any:
+    def _load(self, chunk: Chunk, body: bytes | memoryview) -> Any:
         return body
 
     def _weigh(self, loaded: Any) -> int:

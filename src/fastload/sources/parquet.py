@@ -168,9 +168,10 @@ class ParquetShards(Shards):
         c = self._chunk_of(index)
         return f"row={index - self._firsts[c] + self._rows_before[c]}"
 
-    def _load(self, chunk: Chunk, body: bytes) -> _RowGroup:
+    def _load(self, chunk: Chunk, body: bytes | memoryview) -> _RowGroup:
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
-        file = _parquet().ParquetFile(_Sparse(chunk.size, {chunk.start: body}), metadata=meta)
+        parts = {chunk.start: bytes(body)}  # bytes already (only tar chunks are seeded): no copy
+        file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         table = file.read_row_groups(self._groups[chunk.index])
         columns = {
             name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names

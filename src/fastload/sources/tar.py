@@ -171,7 +171,7 @@ def _read_headers(shard: Entry, fetcher: Fetcher, keep: int) -> tuple[dict[str, 
         "size": np.asarray(size, np.int64),
         "crc": np.asarray(crc, np.int64),
     }
-    return index, bytes(file.prefix)
+    return index, b"".join(file.pieces)
 
 
 class _RangedFile:
@@ -179,12 +179,13 @@ class _RangedFile:
     headers keep landing in it (small members) and shrinks when a seek jumps past it (large
     members are hopped over, not read). A window that would start just past the last one
     starts at its end instead, so a shard of small members is read in one contiguous run,
-    whose first ``keep`` bytes are kept (``prefix``)."""
+    whose first ``keep`` bytes are kept (``pieces``)."""
 
     def __init__(self, shard: Entry, fetcher: Fetcher, keep: int = 0) -> None:
         self.shard, self.fetcher = shard, fetcher
         self.keep = keep
-        self.prefix = bytearray()
+        self.pieces: list[bytes] = []  # the windows read from byte 0 on, back to back
+        self.kept = 0
         self.position = 0
         self.window = 1 << 20
         self.buffer, self.buffer_start = b"", 0
@@ -219,8 +220,9 @@ class _RangedFile:
             (self.buffer,) = self.fetcher.fetch([self.shard.request(start, stop)])
             self.buffer_start = start
             self.requests += 1
-            if start == len(self.prefix) and len(self.prefix) + len(self.buffer) <= self.keep:
-                self.prefix += self.buffer
+            if start == self.kept and self.kept + len(self.buffer) <= self.keep:
+                self.pieces.append(self.buffer)
+                self.kept += len(self.buffer)
             else:
                 self.keep = 0  # a hop: what follows is not contiguous
         at = offset - self.buffer_start
