@@ -28,14 +28,20 @@ def _replace(root: str, options: dict[str, Any], body: bytes) -> None:
     write(root, options, {CHANGED: body})
 
 
+def _listed_then_replaced(root: str, options: dict[str, Any], body: bytes) -> Manifest:
+    """The objects listed, then ``CHANGED`` replaced by ``body``: a stale manifest."""
+    write(root, options, OBJECTS)
+    manifest = Manifest.build(root, storage_options=options)
+    _replace(root, options, body)
+    return manifest
+
+
 @pytest.mark.parametrize("new_size", [1000, 1700], ids=["same-size", "other-size"])
 def test_a_replaced_object_is_reported_as_changed_by_name(
     store: tuple[str, dict[str, Any]], new_size: int
 ) -> None:
     root, options = store
-    write(root, options, OBJECTS)
-    manifest = Manifest.build(root, storage_options=options)
-    _replace(root, options, b"\xee" * new_size)
+    manifest = _listed_then_replaced(root, options, b"\xee" * new_size)
     ds = RemoteDataset(manifest, storage_options=options)
     assert ds[2] == OBJECTS["shots/day 1/img_02.bin"]
     with pytest.raises(ObjectChangedError) as caught:
@@ -49,9 +55,7 @@ def test_skip_leaves_out_a_changed_object_and_names_it(
     store: tuple[str, dict[str, Any]],
 ) -> None:
     root, options = store
-    write(root, options, OBJECTS)
-    manifest = Manifest.build(root, storage_options=options)
-    _replace(root, options, b"\xee" * 1000)
+    manifest = _listed_then_replaced(root, options, b"\xee" * 1000)
     ds = RemoteDataset(manifest, storage_options=options, on_change="skip")
     batch = ds.__getitems__(list(range(8)))
     assert b"\xee" * 1000 not in batch
@@ -84,9 +88,7 @@ def test_the_same_cache_never_serves_new_bytes_under_the_old_version(
 ) -> None:
     """The bug #19 names: same size, new bytes, cached under the old version's name."""
     root, options = store
-    write(root, options, OBJECTS)
-    manifest = Manifest.build(root, storage_options=options)
-    _replace(root, options, b"\xee" * 1000)
+    manifest = _listed_then_replaced(root, options, b"\xee" * 1000)
     cache = Cache(tmp_path / "cache")
     ds = RemoteDataset(manifest, storage_options=options, cache=cache)
     with pytest.raises(ObjectChangedError):
