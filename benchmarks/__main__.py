@@ -30,8 +30,6 @@ SCENARIOS = {
     "stall": stall.run_stall,
     "groups": groups.run_groups,
     "dicom": groups.run_dicom,
-    "shards": peers.run_shards,
-    "peer-workers": peers.run_peer_workers,
     "parquet": parquet.run_parquet,
 }
 RESULTS = Path(__file__).with_name("results")

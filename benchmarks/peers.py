@@ -7,16 +7,21 @@ imports, clients or caches: it builds its dataset, reads a cold epoch (timing th
 from construction) and a warm epoch, and prints its rates. The parent samples the PSS of that
 process tree every 50 ms for the peak. Readers run interleaved, ``repeats`` times; medians.
 
-Readers (batch 32, shuffled; the peers with 2 DataLoader workers, what a user sets on 2 cores):
+Readers (batch 32, shuffled). Every peer runs at each DataLoader worker count in
+``PEER_WORKERS`` and at its own best documented settings; fastload runs at its defaults:
 - torch DataLoader + RandomSampler over the store's fsspec filesystem (s3fs, gcsfs, b2);
 - the same over fsspec's whole-file cache (``filecache``): warm epochs read local copies;
 - AWS s3torchconnector ``S3MapDataset`` (S3 only);
-- LitData ``StreamingDataset`` over chunks on the store (S3 only), conversion timed;
-- Mosaic streaming ``StreamingDataset`` over MDS shards on the store (S3 only), conversion timed;
+- LitData ``StreamingDataset`` over ``LITDATA_CHUNK`` chunks on the store (S3 only);
+- Mosaic streaming ``StreamingDataset`` over MDS shards on the store (S3 only), with the
+  ``worker_init_fn`` that drops the boto3 client a forked worker inherits (its known fork issue);
+- WebDataset over ``TAR_SHARDS`` tar shards on the store, with its shard cache (S3 only);
 - fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults;
-- the same samples packed in ``TAR_SHARDS`` tar shards (WebDataset layout) on the store, read in
-  place by ``RemoteDataset(shards="tar")`` (the ``shards`` scenario: the shards are the data a
-  user already has, so fastload converts nothing; packing them is not timed as a conversion).
+- fastload ``RemoteDataset(shards="tar")`` over the same tar shards, read in place.
+
+Conversions (LitData chunks, MDS shards, tar shards) are done the fast way a user would: every
+object read concurrently straight from the store (not through the latency proxy), written
+locally, uploaded; each is timed and reported as the reader's "setup s".
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -62,11 +68,16 @@ from fastload.testing import (
 )
 from fastload.transforms import QuantileNormalize, Resize, compose
 
-WORKERS = 2
+PEER_WORKERS = (0, 2, 4)
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"s3": "s3", "gcs": "gs", "b2": "b2"}
-S3_ONLY = ("s3torchconnector", "litdata", "mosaic")
+S3_ONLY = ("s3torchconnector", "litdata", "mosaic", "webdataset", "fastload-tar")
 TAR_SHARDS = 20
+# litdata 0.2.76 decodes a window of ~107 rows of a chunk and keeps one window: a shuffled epoch
+# over 64 MB chunks (427 rows here) refills it for almost every sample (~100 samples/s warm);
+# chunks of about one window (16 MB) read at 1,850-2,190/s warm in the same probe.
+LITDATA_CHUNK = "16MB"
+CONVERT_THREADS = 16
 # The volumes scenario's preprocessing: robust intensity normalisation, then a resize.
 PREPROCESS = compose(QuantileNormalize(), Resize((48, 256, 256)))
 
@@ -87,7 +98,7 @@ class Spec:
     epochs: int = 2  # the first is cold
     preprocess: bool = False  # apply PREPROCESS (the volumes scenario)
     cache_format: str = "npy"  # fastload's
-    workers: int = WORKERS  # the peers' DataLoader workers
+    workers: int = 2  # the peers' DataLoader workers (fastload runs at its defaults)
 
 
 def _load(body: bytes) -> torch.Tensor:
@@ -158,6 +169,14 @@ def _litdata(spec: Spec) -> Iterable[Any]:
     return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=spec.workers)
 
 
+def _fresh_mosaic_clients(worker: int) -> None:
+    """Mosaic's known fork issue: a worker inherits the parent's boto3 client (made while
+    reading index.json) and shares its connections; each worker makes its own instead."""
+    info = torch.utils.data.get_worker_info()
+    for stream in info.dataset.streams if info else ():
+        stream._downloader.clean_up()
+
+
 def _mosaic_modules() -> Any:
     """Import Mosaic streaming without its torchvision-based ``streaming.vision`` helpers.
 
@@ -186,7 +205,42 @@ def _mosaic(spec: Spec) -> Iterable[Any]:
         batch_size=BATCH,
         num_workers=spec.workers,
         collate_fn=lambda rows: torch.from_numpy(np.stack([r["x"] for r in rows])),
+        worker_init_fn=_fresh_mosaic_clients,
+        persistent_workers=spec.workers > 0,
     )
+
+
+@functools.cache
+def _filesystem(root: str, options: str, pid: int) -> Any:
+    return filesystem(root, json.loads(options))
+
+
+def _open_in_process(root: str, options: str, url: str, mode: str = "rb", *_: Any) -> Any:
+    """``fsspec.open`` on a filesystem of this process (s3fs's is not fork-safe)."""
+    return _filesystem(root, options, os.getpid()).open(url, mode)
+
+
+def _webdataset(spec: Spec) -> Iterable[Any]:
+    """WebDataset as its docs set it up: shard shuffle, a sample shuffle buffer, batching in the
+    pipeline, shards cached locally (``cache_dir``) for later epochs. Its s3:// opener is fsspec
+    (``gopen_schemes`` is its extension point; the alternative is ``pipe:aws s3 cp``)."""
+    import webdataset as wds  # noqa: PLC0415 (only in its own reader process)
+
+    os.makedirs(f"{spec.workdir}/wds")
+    wds.gopen_schemes["s3"] = partial(_open_in_process, spec.root, json.dumps(spec.options))
+    shards, _ = _tar_layout(spec.n)
+    urls = [f"{spec.root}-tar/shard-{shard:03d}.tar" for shard in range(shards)]
+    dataset = (
+        wds.WebDataset(
+            urls, shardshuffle=shards, cache_dir=f"{spec.workdir}/wds", empty_check=False
+        )
+        .shuffle(1000)
+        .decode()
+        .to_tuple("npy")
+        .map_tuple(torch.from_numpy)
+        .batched(spec.batch, partial=True)
+    )
+    return wds.WebLoader(dataset, batch_size=None, num_workers=spec.workers)
 
 
 def _take_npy(sample: dict[str, np.ndarray]) -> np.ndarray:
@@ -217,23 +271,20 @@ def _fastload(spec: Spec) -> Iterable[Any]:
 
 
 READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
-    "torch": (
-        "torch DataLoader + RandomSampler + fsspec, 2 workers",
-        partial(_torch_fsspec, cached=False),
-    ),
-    "filecache": ("the same over fsspec filecache, 2 workers", partial(_torch_fsspec, cached=True)),
-    "s3torchconnector": ("s3torchconnector S3MapDataset, 2 workers", _s3torchconnector),
-    "litdata": ("LitData StreamingDataset (chunks on the store), 2 workers", _litdata),
-    "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store), 2 workers", _mosaic),
+    "torch": ("torch DataLoader + RandomSampler + fsspec", partial(_torch_fsspec, cached=False)),
+    "filecache": ("the same over fsspec filecache", partial(_torch_fsspec, cached=True)),
+    "s3torchconnector": ("s3torchconnector S3MapDataset", _s3torchconnector),
+    "litdata": (f"LitData StreamingDataset ({LITDATA_CHUNK} chunks on the store)", _litdata),
+    "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store)", _mosaic),
+    "webdataset": (f"WebDataset ({TAR_SHARDS} tar shards, shard cache)", _webdataset),
     "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
     "fastload-tar": (
-        f"fastload RemoteDataset(shards='tar') over {TAR_SHARDS} tar shards, same defaults",
+        f"fastload RemoteDataset(shards='tar') over the {TAR_SHARDS} tar shards, same defaults",
         _fastload_tar,
     ),
 }
-
-
-PEER_READERS = tuple(r for r in READERS if r != "fastload-tar")  # tar: the shards scenario
+OURS = ("fastload", "fastload-tar")
+PER_OBJECT = ("torch", "filecache", "s3torchconnector")
 
 
 def _epochs(spec: Spec) -> dict[str, Any]:
@@ -248,7 +299,7 @@ def _epochs(spec: Spec) -> dict[str, Any]:
         for batch in loader:
             if not first:
                 first = time.perf_counter() - started
-            count += len(batch)
+            count += len(batch[0] if isinstance(batch, list | tuple) else batch)
         assert count == spec.n, f"{spec.reader}: epoch {epoch} gave {count} of {spec.n} samples"
         rates.append(spec.n / (time.perf_counter() - started))
         started = time.perf_counter()
@@ -264,7 +315,8 @@ class ReaderFailed(RuntimeError):
 
 def run_reader(spec: Spec) -> dict[str, Any]:
     """One reader in a fresh process; its rates and the peak PSS of its process tree."""
-    env = {**os.environ, **spec.credentials, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO / "src"), str(REPO)])  # this checkout's fastload
+    env = {**os.environ, **spec.credentials, "PYTHONPATH": path}
     out, err = Path(spec.workdir) / "reader.out", Path(spec.workdir) / "reader.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         child = subprocess.Popen(
@@ -309,60 +361,82 @@ def objects_on(
             yield server, proxy, root
 
 
-def _convert_litdata(root: str, options: dict[str, Any], n: int, work: Path) -> float:
-    """LitData's conversion: read every object through the proxy, ``optimize`` into 64 MB
-    chunks, upload the chunks beside the objects. Seconds."""
-    import litdata  # noqa: PLC0415 (only in its own reader process)
+class _Objects:
+    """The source objects, read the way a converting user would: concurrently, straight from
+    the store (``options`` without the latency proxy)."""
 
-    started = time.perf_counter()
+    def __init__(self, root: str, options: dict[str, Any]) -> None:
+        self.fs = filesystem(root, options)
+        self.prefix = self.fs._strip_protocol(root)
+
+    def body(self, i: int) -> bytes:
+        return bytes(self.fs.cat_file(f"{self.prefix}/{i:05d}.npy"))
+
+    def array(self, i: int) -> np.ndarray:
+        return np.load(io.BytesIO(self.body(i)))
+
+    def all(self, n: int, read: Callable[[int], Any]) -> Iterator[Any]:
+        with ThreadPoolExecutor(CONVERT_THREADS) as pool:
+            yield from pool.map(read, range(n))
+
+
+def _upload(objects: _Objects, local: Path, remote: str) -> None:
+    objects.fs.put(str(local), remote, recursive=True)
+
+
+def _convert_litdata(objects: _Objects, root: str, n: int, work: Path) -> None:
+    """``litdata.optimize`` into ``LITDATA_CHUNK`` chunks with a worker per core, uploaded."""
+    import litdata  # noqa: PLC0415 (only where LitData runs)
+
+    arrays = list(objects.all(n, objects.array))
     litdata.optimize(
-        fn=partial(_fetch_array, root, json.dumps(options)),
+        fn=arrays.__getitem__,
         inputs=list(range(n)),
         output_dir=str(work / "litdata-out"),
-        chunk_bytes="64MB",
-        num_workers=1,
+        chunk_bytes=LITDATA_CHUNK,
+        num_workers=os.cpu_count() or 1,
     )
-    filesystem(root, options).put(str(work / "litdata-out"), f"{root}-litdata", recursive=True)
-    return time.perf_counter() - started
+    _upload(objects, work / "litdata-out", f"{root}-litdata")
 
 
-def _convert_mosaic(root: str, options: dict[str, Any], n: int, work: Path) -> float:
-    """Mosaic's conversion: read every object through the proxy, write MDS shards with
-    ``MDSWriter``, upload them beside the objects. Seconds."""
+def _convert_mosaic(objects: _Objects, root: str, n: int, work: Path) -> None:
+    """``MDSWriter`` (its default 64 MB shards) fed by concurrent reads, uploaded."""
     streaming = _mosaic_modules()
-    started = time.perf_counter()
     out = work / "mds-out"
     columns = {"x": f"ndarray:float32:{SHAPE[0]},{SHAPE[1]}"}
-    with streaming.MDSWriter(out=str(out), columns=columns, size_limit="64mb") as writer:
-        for i in range(n):
-            writer.write({"x": _fetch_array(root, json.dumps(options), i)})
-    filesystem(root, options).put(str(out), f"{root}-mds", recursive=True)
-    return time.perf_counter() - started
+    with streaming.MDSWriter(out=str(out), columns=columns) as writer:
+        for array in objects.all(n, objects.array):
+            writer.write({"x": array})
+    _upload(objects, out, f"{root}-mds")
 
 
-def _pack_tar(root: str, options: dict[str, Any], n: int) -> None:
-    """The samples as ``TAR_SHARDS`` tar shards (``00042.npy`` members) beside the objects."""
-    fs = filesystem(root, options)
+def _tar_layout(n: int) -> tuple[int, int]:
+    """How ``n`` samples go into tar shards: (shards, samples per shard), none empty."""
     per = -(-n // TAR_SHARDS)
-    for shard in range(TAR_SHARDS):
-        out = io.BytesIO()
-        with tarfile.open(fileobj=out, mode="w") as tar:
+    return -(-n // per), per
+
+
+def _pack_tar(objects: _Objects, root: str, n: int, work: Path) -> None:
+    """``TAR_SHARDS`` tar shards (``00042.npy`` members, the WebDataset layout), uploaded."""
+    out = work / "tar-out"
+    out.mkdir()
+    shards, per = _tar_layout(n)
+    bodies = objects.all(n, objects.body)
+    for shard in range(shards):
+        with tarfile.open(out / f"shard-{shard:03d}.tar", mode="w") as tar:
             for i in range(shard * per, min(n, (shard + 1) * per)):
-                body = npy_bytes(sample_array(i))
+                body = next(bodies)
                 info = tarfile.TarInfo(f"{i:05d}.npy")
                 info.size = len(body)
                 tar.addfile(info, io.BytesIO(body))
-        fs.pipe_file(f"{fs._strip_protocol(root)}-tar/shard-{shard:03d}.tar", out.getvalue())
+    _upload(objects, out, f"{root}-tar")
 
 
-@functools.cache
-def _source(root: str, options: str) -> Any:
-    return filesystem(root, json.loads(options))
-
-
-def _fetch_array(root: str, options: str, i: int) -> np.ndarray:
-    fs = _source(root, options)
-    return np.load(io.BytesIO(fs.cat_file(f"{fs._strip_protocol(root)}/{i:05d}.npy")))
+CONVERSIONS: dict[str, Callable[[_Objects, str, int, Path], None]] = {
+    "litdata": _convert_litdata,
+    "mosaic": _convert_mosaic,
+    "webdataset": _pack_tar,  # fastload-tar reads the same shards: a user's own data
+}
 
 
 def _credentials(server: Any, endpoint: str) -> dict[str, str]:
@@ -376,15 +450,27 @@ def _credentials(server: Any, endpoint: str) -> dict[str, str]:
     }
 
 
+def _runs(readers: list[str], workers: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """(reader, DataLoader workers): fastload at its defaults, each peer at every count but the
+    one-GET-per-sample readers at 0 (one GET at a time: always their slowest)."""
+    runs: list[tuple[str, int | None]] = []
+    for reader in readers:
+        counts = [w for w in workers if w or reader not in PER_OBJECT] or list(workers)
+        runs += [(reader, None)] if reader in OURS else [(reader, w) for w in counts]
+    return runs
+
+
 def store_rows(
     store: str,
     n: int,
     repeats: int,
     progress: Callable[[str], None],
-    only: Iterable[str] = PEER_READERS,
+    only: Iterable[str] = tuple(READERS),
+    workers: tuple[int, ...] = PEER_WORKERS,
 ) -> list[dict[str, Any]]:
     readers = [r for r in only if store == "s3" or r not in S3_ONLY]
-    results: dict[str, list[dict[str, Any]]] = {r: [] for r in readers}
+    runs = _runs(readers, workers)
+    results: dict[tuple[str, int | None], list[dict[str, Any]]] = {run: [] for run in runs}
     setup: dict[str, float] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -400,52 +486,52 @@ def store_rows(
         manifest = Manifest.build(root, storage_options=options)
         manifest.save(work / "manifest.npz")
         setup["fastload"] = time.perf_counter() - started
-        if "litdata" in readers:
-            setup["litdata"] = _convert_litdata(root, options, n, work)
-        if "mosaic" in readers:
-            setup["mosaic"] = _convert_mosaic(root, options, n, work)
-        if "fastload-tar" in readers:
-            _pack_tar(root, server.storage_options(), n)
+        objects = _Objects(root, server.storage_options())
+        for reader, convert in CONVERSIONS.items():
+            if reader in readers or (reader == "webdataset" and "fastload-tar" in readers):
+                progress(f"peers/{store}: converting for {reader}")
+                started = time.perf_counter()
+                convert(objects, root, n, work)
+                setup[reader] = time.perf_counter() - started
         for repeat in range(repeats):  # interleaved, so noise hits every reader alike
-            for reader in readers:
-                progress(f"peers/{store}: {reader} (repeat {repeat + 1}/{repeats})")
-                run = work / f"{reader}-{repeat}"
+            for reader, count in runs:
+                progress(f"peers/{store}: {reader}, workers {count} ({repeat + 1}/{repeats})")
+                run = work / f"{reader}-{count}-{repeat}"
                 run.mkdir()
                 spec = Spec(
-                    reader,
-                    store,
-                    root,
-                    options,
-                    str(work / "manifest.npz"),
-                    str(run),
-                    n,
-                    _credentials(server, proxy.endpoint),
-                )
+                    reader, store, root, options, str(work / "manifest.npz"), str(run), n,
+                    _credentials(server, proxy.endpoint), workers=count or 0,
+                )  # fmt: skip
                 try:
-                    results[reader].append(run_reader(spec))
+                    results[reader, count].append(run_reader(spec))
                 except ReaderFailed as exc:
-                    if reader == "fastload":
+                    if reader in OURS:
                         raise
                     progress(f"peers/{store}: {exc}")  # a peer's own bug: the others go on
                 shutil.rmtree(run)
     return [
-        _row(store, reader, runs, setup.get(reader), repeats - len(runs))
-        for reader, runs in results.items()
+        _row(store, reader, count, found, setup.get(reader), repeats - len(found))
+        for (reader, count), found in results.items()
     ]
 
 
 def _row(
-    store: str, reader: str, runs: list[dict[str, Any]], setup: float | None, failed: int
+    store: str,
+    reader: str,
+    workers: int | None,
+    runs: list[dict[str, Any]],
+    setup: float | None,
+    failed: int,
 ) -> dict[str, Any]:
-    if not runs:
-        raise ReaderFailed(f"benchmark reader {reader} on {store} failed in every repeat")
-    return {
+    row: dict[str, Any] = {
         "store": store,
         "reader": READERS[reader][0],
-        **summary(runs),
-        "setup s": "" if setup is None else setup,
-        "failed runs": failed,
+        "workers": "defaults" if workers is None else workers,
     }
+    if not runs:
+        return {**row, "failed runs": failed}
+    setup_s = "" if setup is None else setup
+    return {**row, **summary(runs), "setup s": setup_s, "failed runs": failed}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -458,77 +544,47 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def peer_rows(
-    n: int,
-    repeats: dict[str, int],
-    progress: Callable[[str], None],
-    only: Iterable[str] = PEER_READERS,
-) -> list[dict[str, Any]]:
-    """The table for each store in ``repeats`` (store -> repeats), for the readers ``only``."""
-    rows = []
-    for store, times in repeats.items():
-        rows += with_ratios(store_rows(store, n, times, progress, only))
-    return rows
-
-
-def with_ratios(rows: list[dict[str, Any]], base: str = "torch") -> list[dict[str, Any]]:
-    """Cold and warm rates against the first row (the plain torch + fsspec reader)."""
+def with_ratios(rows: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """Cold and warm rates against the first row (the ``base`` reader)."""
     for row in rows:
         for kind in ("cold", "warm"):
             row[f"{kind} vs {base}"] = row[f"{kind} samples/s"] / rows[0][f"{kind} samples/s"]
     return rows
 
 
-def worker_rows(
-    n: int, counts: tuple[int, ...], progress: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """LitData and Mosaic at each DataLoader worker count in ``counts`` (S3, one run each): is
-    2 workers, what the peers tables use on 2 cores, their best?"""
-    rows = []
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        objects_on("s3", n, sample_array, Faults(latency=LATENCY)) as (server, proxy, root),
-    ):
-        work = Path(tmp)
-        options = server.storage_options(proxy.endpoint)
-        Manifest.build(root, storage_options=options).save(work / "manifest.npz")
-        _convert_litdata(root, options, n, work)
-        _convert_mosaic(root, options, n, work)
-        for reader in ("litdata", "mosaic"):
-            for workers in counts:
-                progress(f"workers: {reader}, {workers} workers")
-                run = work / f"{reader}-{workers}"
-                run.mkdir()
-                spec = Spec(
-                    reader, "s3", root, options, str(work / "manifest.npz"), str(run), n,
-                    _credentials(server, proxy.endpoint), workers=workers,
-                )  # fmt: skip
-                try:
-                    rows.append(
-                        {"reader": reader, "workers": workers, **summary([run_reader(spec)])}
-                    )
-                except ReaderFailed as exc:
-                    rows.append({"reader": reader, "workers": workers, "failed": str(exc)[-120:]})
-                shutil.rmtree(run)
+def with_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each fastload row's cold and warm rates against the best peer of its store, each peer
+    at its best worker count (named), appended to the rows."""
+    for row in rows:
+        if row["reader"] not in {READERS[r][0] for r in OURS} or "cold samples/s" not in row:
+            continue
+        peers = [p for p in rows if p["store"] == row["store"] and p["workers"] != "defaults"]
+        for kind in ("cold", "warm"):
+            column = f"{kind} samples/s"
+            best = max((p for p in peers if column in p), key=lambda p: p[column], default=None)
+            if best is not None:
+                row[f"{kind} vs best peer"] = row[column] / best[column]
+                row[f"best {kind} peer"] = f"{best['reader'].split(' (')[0]}, {best['workers']} w"
     return rows
 
 
-def run_peer_workers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return worker_rows(64 if quick else 2000, (1, 2) if quick else (1, 2, 4), progress)
-
-
-def run_shards(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """The peers' samples packed in tar shards, read in place, beside the chunk-converting peers
-    (S3 only: LitData and Mosaic read S3)."""
-    readers = ("torch", "litdata", "mosaic", "fastload", "fastload-tar")
-    if quick:
-        return peer_rows(64, {"s3": 1}, progress, ("torch", "fastload-tar"))
-    return peer_rows(2000, {"s3": 3}, progress, readers)
+def peer_rows(
+    n: int,
+    repeats: dict[str, int],
+    progress: Callable[[str], None],
+    only: Iterable[str] = tuple(READERS),
+    workers: tuple[int, ...] = PEER_WORKERS,
+) -> list[dict[str, Any]]:
+    """The table for each store in ``repeats`` (store -> repeats), for the readers ``only``."""
+    rows = []
+    for store, times in repeats.items():
+        rows += with_best(store_rows(store, n, times, progress, only, workers))
+    return rows
 
 
 def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     if quick:  # S3, no conversions: the smoke tests run every reader on every store
-        return peer_rows(32, {"s3": 1}, progress, ("torch", "s3torchconnector", "fastload"))
+        return peer_rows(32, {"s3": 1}, progress, ("torch", "s3torchconnector", "fastload"), (2,))
     return peer_rows(2000, {"s3": 3, "gcs": 1, "b2": 1}, progress)
 
 
