@@ -28,6 +28,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
+from fastload import _collate
 from fastload.errors import ConfigError
 from fastload.ranks import rank_world
 from fastload.sampler import PermutationSampler, _splitmix64
@@ -62,7 +63,9 @@ class DataLoader(tud.DataLoader[Any]):
       ``shuffle=True`` each new pass takes the next epoch's order, as torch's loader reshuffles
       (an explicit :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch instead);
     - ``num_workers``: :func:`default_workers`; with 0, batches load in a background thread
-      (``background=True``) so loading overlaps the training step;
+      (``background=True``) so loading overlaps the training step, and are collated as
+      ``default_collate`` would, numeric arrays stacked by numpy (see
+      :mod:`fastload._collate`: torch's stack shares the training step's thread pool);
     - workers start with ``forkserver`` (fork-safe: no inherited client connections or
       threads) when the dataset pickles, stay alive across epochs, and prefetch 4 batches each;
     - ``pin_memory`` when CUDA is available; worker seeds derive from ``seed`` and the rank;
@@ -126,7 +129,11 @@ class DataLoader(tud.DataLoader[Any]):
             reshuffle = bool(shuffle)
             shuffle = None
         auto_collation = batch_sampler is not None or batch_size is not None
-        collate = collate_fn or (tud.default_collate if auto_collation else tud.default_convert)
+        collate = collate_fn or (
+            (tud.default_collate if workers else _collate.collate)
+            if auto_collation
+            else tud.default_convert
+        )
         if workers:
             collate = _WorkerCollate(collate)
             worker_init_fn = _WorkerInit(worker_init_fn)

@@ -1,0 +1,72 @@
+"""The collate of a loop without workers: torch's ``default_collate``, with numeric arrays and
+tensors stacked by numpy.
+
+``torch.stack`` runs on torch's intra-op thread pool. A DataLoader worker has one thread, but
+the loading thread of ``fastload.DataLoader(num_workers=0)`` shares the pool with the training
+step: on 2 cores, stacking 256 3x160x160 uint8 samples took 13.9 ms that way and 2.9 ms with
+``np.stack`` (one thread, no pool hand-off). The result is the same: a tensor of the same
+dtype, shape and values; containers are rebuilt as ``default_collate`` rebuilds them, and
+anything else (ragged shapes, strings, tensor subclasses, non-CPU tensors...) goes to
+``default_collate`` itself, which also raises its own errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+__all__ = ["collate"]
+
+_NUMERIC = frozenset("biufc")  # bool, int, uint, float, complex
+
+
+def collate(batch: list[Any]) -> Any:
+    """``default_collate(batch)``, stacking plain numeric arrays and CPU tensors with numpy."""
+    first = batch[0] if batch else None
+    stacked = _stack(batch, first)
+    if stacked is not None:
+        return stacked
+    if type(first) is tuple and _same_length(batch):  # (sample, label): a list, as torch does
+        return [collate(list(column)) for column in zip(*batch, strict=True)]
+    if type(first) is dict and all(type(b) is dict and b.keys() == first.keys() for b in batch):
+        return {key: collate([b[key] for b in batch]) for key in first}
+    return default_collate(batch)
+
+
+def _same_length(batch: list[Any]) -> bool:
+    return all(type(b) is tuple and len(b) == len(batch[0]) for b in batch)
+
+
+def _stack(batch: list[Any], first: Any) -> torch.Tensor | None:
+    """The samples stacked into one tensor, or None when they are not all alike."""
+    if type(first) is np.ndarray:
+        arrays = batch
+    elif type(first) is torch.Tensor and _plain(first):
+        if not all(type(t) is torch.Tensor and _plain(t) for t in batch):
+            return None
+        try:
+            arrays = [t.numpy() for t in batch]
+        except TypeError:  # a dtype numpy lacks (bfloat16...)
+            return None
+    else:
+        return None
+    head = arrays[0]
+    if head.dtype.kind not in _NUMERIC or not head.dtype.isnative:
+        return None
+    if not all(
+        type(a) is np.ndarray and a.shape == head.shape and a.dtype == head.dtype for a in arrays
+    ):
+        return None
+    return torch.from_numpy(np.stack(arrays))
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+    )

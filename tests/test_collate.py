@@ -1,0 +1,106 @@
+"""The collate of loops without workers: the same batches as torch's default_collate."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from torch.utils.data import default_collate
+
+import fastload
+from fastload import _collate
+
+Pair = namedtuple("Pair", ["x", "y"])
+rng = np.random.default_rng(3)
+
+
+def _images(dtype: Any, n: int = 4) -> list[np.ndarray]:
+    info = np.iinfo(dtype) if np.dtype(dtype).kind in "iu" else None
+    top = info.max if info else 1.0
+    return [(rng.random((3, 5, 7)) * top).astype(dtype) for _ in range(n)]
+
+
+CASES: dict[str, list[Any]] = {
+    "uint16 images": _images(np.uint16),  # 16-bit: no value may be flattened
+    "uint8 images": _images(np.uint8),
+    "float32 arrays": _images(np.float32),
+    "bool arrays": [rng.random(5) > 0.5 for _ in range(3)],
+    "0-d arrays": [np.float64(i) * np.ones(()) for i in range(3)],
+    "tensors": [torch.randn(2, 3) for _ in range(3)],
+    "int64 tensors": [torch.arange(6) * i for i in range(3)],
+    "(image, label)": [(a, i) for i, a in enumerate(_images(np.uint16))],
+    "dicts": [{"image": a, "name": f"s{i}", "label": i} for i, a in enumerate(_images(np.uint8))],
+    "nested": [
+        {"pair": (a, torch.tensor(i)), "n": float(i)} for i, a in enumerate(_images(np.int16))
+    ],
+    "namedtuples": [Pair(a, i) for i, a in enumerate(_images(np.float32))],
+    "bfloat16 tensors": [torch.randn(4).to(torch.bfloat16) for _ in range(3)],
+    "non-contiguous tensors": [torch.randn(4, 6)[:, ::2] for _ in range(3)],
+    "tensors that need grad": [torch.randn(3, requires_grad=True) for _ in range(2)],
+    "strings": ["a", "b"],
+    "mixed arrays and tensors": [np.zeros(3, np.float32), torch.zeros(3)],
+    "ints": [1, 2, 3],
+}
+
+
+def _same(ours: Any, theirs: Any) -> None:
+    assert type(ours) is type(theirs)
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert ours.requires_grad == theirs.requires_grad
+        assert torch.equal(ours.detach(), theirs.detach())
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            _same(ours[key], theirs[key])
+    elif isinstance(theirs, list | tuple):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            _same(a, b)
+    else:
+        assert ours == theirs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batches_are_the_same_as_torchs(case: str) -> None:
+    _same(_collate.collate(CASES[case]), default_collate(CASES[case]))
+
+
+def test_sixteen_bit_values_survive() -> None:
+    batch = [np.full((2, 2), 65535 - i, np.uint16) for i in range(3)]
+    out = _collate.collate(batch)
+    assert out.dtype == torch.uint16
+    assert out.numpy()[:, 0, 0].tolist() == [65535, 65534, 65533]
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [np.zeros((3, 4)), np.zeros((3, 5))],  # ragged
+        [np.zeros(3, ">f4"), np.zeros(3, ">f4")],  # big-endian: torch refuses it
+        [np.array(["a"]), np.array(["b"])],  # strings
+    ],
+    ids=["ragged", "big-endian", "strings"],
+)
+def test_what_torch_refuses_fails_with_torchs_error(batch: list[np.ndarray]) -> None:
+    with pytest.raises(Exception) as theirs:
+        default_collate(batch)
+    with pytest.raises(type(theirs.value)) as ours:
+        _collate.collate(batch)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_loader_without_workers_uses_it_and_one_with_workers_does_not() -> None:
+    data = _images(np.uint16, 10)
+    loader = fastload.DataLoader(data, batch_size=4, shuffle=False, num_workers=0)
+    assert loader.collate_fn is _collate.collate
+    for ours, theirs in zip(loader, TorchLoader(data, batch_size=4), strict=True):
+        _same(ours, theirs)
+    threaded = fastload.DataLoader(data, batch_size=4, num_workers=1)
+    assert getattr(threaded.collate_fn, "collate", None) is default_collate
+    mine = fastload.DataLoader(data, batch_size=4, num_workers=0, collate_fn=len)
+    assert mine.collate_fn is len
