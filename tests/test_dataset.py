@@ -222,6 +222,31 @@ def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp
         RemoteDataset(root, decode="npy", storage_options=options).prefetch([0])
 
 
+def test_prefetch_probes_a_warm_cache_and_resumes_at_a_miss(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any
+) -> None:
+    """A warm cache costs the lookahead a stat per sample in one batch of 8, not in all; a miss
+    that a probe finds turns checking on for every batch again."""
+    from fastload import dataset as module
+
+    root, options = s3_root
+    cache = Cache(tmp_path, format="npy")
+    dataset = RemoteDataset(root, decode="npy", cache=cache, storage_options=options)
+    dataset.warm(range(4))
+    for _ in range(module._WARM_STREAK):  # found warm
+        dataset.prefetch(range(4)).result(timeout=60)
+    cache.delete(dataset._cache_name(5))
+    for _ in range(module._WARM_PROBE - 1):
+        dataset.prefetch([5]).result(timeout=60)
+    assert dataset._cache_name(5) not in cache  # not checked
+    dataset.prefetch([5]).result(timeout=60)
+    assert dataset._cache_name(5) in cache  # the probe found the miss and made it
+    assert dataset._warm_batches < module._WARM_STREAK  # checking every batch again
+    cache.delete(dataset._cache_name(6))
+    dataset.prefetch([6]).result(timeout=60)
+    assert dataset._cache_name(6) in cache
+
+
 class Expensive(Dataset[Any]):
     """A user's own dataset: counts how often it really computes."""
 

@@ -50,6 +50,8 @@ _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole 
 PREFETCH_BATCHES = 4
 """Batches :meth:`RemoteDataset.prefetch` works on at once (per process)."""
 _prefetchers: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
+_WARM_STREAK = 8  # batches prefetch found cached before it checks only one in _WARM_PROBE
+_WARM_PROBE = 8
 
 
 class _Batched(Dataset[Any]):
@@ -68,6 +70,7 @@ class _Batched(Dataset[Any]):
     _stages: StageCounters
     _length: int
     _labelled: bool = False
+    _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
 
     def _items(self, indices: list[int]) -> list[Any]:
         raise NotImplementedError
@@ -172,13 +175,20 @@ class _Batched(Dataset[Any]):
 
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Make and cache ``indices`` in the background (needs a cache); later reads hit.
-        Entries already in the cache are skipped (one stat each).
+        Entries already in the cache are skipped (one stat each). After ``_WARM_STREAK``
+        batches with nothing missing, only one batch in ``_WARM_PROBE`` is checked until one
+        misses again: a batch left unchecked that misses is made when it is read.
 
         A loader that knows the sampler's order calls this for the batches ahead.
         """
         if self.cache is None:
             raise ConfigError(f"{type(self).__name__}.prefetch needs a cache to keep its work")
         cache = self.cache
+        self._warm_batches += 1
+        if self._warm_batches > _WARM_STREAK and self._warm_batches % _WARM_PROBE:
+            done: Future[None] = Future()  # a warm cache: only every _WARM_PROBE-th batch is
+            done.set_result(None)  # checked (a stat per sample competes with the reads)
+            return done
         executor = _prefetchers.get(
             "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
         )
@@ -187,6 +197,7 @@ class _Batched(Dataset[Any]):
         def run() -> None:
             missing = [i for i in positions if self._cache_name(i) not in cache]
             if missing:
+                self._warm_batches = 0
                 self._items(missing)
 
         return executor.submit(run)
