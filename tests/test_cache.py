@@ -556,6 +556,62 @@ def test_verify_finds_reports_and_removes_corrupt_entries(tmp_path: Path) -> Non
 # --- budget -------------------------------------------------------------------------------------
 
 
+def _first_layout_entry(path: Path, name: str, array: np.ndarray) -> None:
+    """An npy entry as fastload wrote them before FLCACHE2: the name inside the JSON header."""
+    from crc32c import crc32c
+
+    header = json.dumps(
+        {
+            "name": name,
+            "format": "npy",
+            "spec": ["n", 0],
+            "arrays": [{"dtype": array.dtype.str, "shape": list(array.shape)}],
+            "sizes": [array.nbytes],
+        }
+    ).encode()
+    head = b"FLCACHE1" + len(header).to_bytes(8, "little") + header
+    body = head + bytes(-len(head) % 64) + array.tobytes()
+    path.write_bytes(body + crc32c(body).to_bytes(4, "little") + b"FLC.")
+
+
+def test_entries_of_the_first_layout_are_still_read(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy")
+    array = np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000
+    cache.put("old", np.zeros(1))
+    path = entry_files(cache)[0]
+    _first_layout_entry(path, "s3://b/old \udcff", array)
+    out = cache.get("old")
+    assert out.dtype == np.uint16 and np.array_equal(out, array)
+    assert cache.counters.repairs == 0
+    assert formats.NpyFormat().name_of(path) == "s3://b/old \udcff"
+
+
+def test_samples_of_one_structure_share_a_parsed_header(tmp_path: Path) -> None:
+    """Names live outside the header, so a dataset's entries parse a header per structure (and
+    plain values, such as labels), not one each."""
+    cache = Cache(tmp_path, format="npy")
+    formats._parsed.clear()
+    for i in range(20):
+        cache.put(f"s3://b/k{i}\udcff", {"x": np.full((2, 3), i, np.int16), "y": i % 2})
+    cache.counters.hits = 0
+    assert [int(cache.get(f"s3://b/k{i}\udcff")["x"][1, 2]) for i in range(20)] == list(range(20))
+    assert len(formats._parsed) == 2 and cache.counters.hits == 20  # values live in the spec
+    names = {formats.NpyFormat().name_of(p) for p in entry_files(cache)}
+    assert names == {f"s3://b/k{i}\udcff" for i in range(20)}
+
+
+def test_reads_are_recorded_only_under_a_budget(tmp_path: Path) -> None:
+    free = Cache(tmp_path / "free", format="npy")
+    bounded = Cache(tmp_path / "bounded", format="npy", max_bytes=10**9)
+    for cache in (free, bounded):
+        cache.put("a", np.zeros(3))
+        (path,) = entry_files(cache)
+        os.utime(path, (1000, 1000))
+        cache.get("a")
+    assert os.stat(entry_files(free)[0]).st_mtime == 1000  # no budget: no write per read
+    assert os.stat(entry_files(bounded)[0]).st_mtime > 1000
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_budget_evicts_least_recently_used_first(tmp_path: Path, fmt: str) -> None:
     one = np.random.default_rng(7).random(10_000)  # ~80 KB

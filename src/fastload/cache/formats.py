@@ -2,13 +2,16 @@
 
 ``pt`` and ``npy`` entries are one file each::
 
-    b"FLCACHE1" | u64 header length | header JSON | blobs (64-byte aligned) | footer
+    b"FLCACHE2" | u64 header length | u64 name length | header JSON | name |
+    blobs (64-byte aligned) | footer
 
 The header holds the sample's structure (see :mod:`fastload.cache._tree`) and each blob's
-length; the footer is a checksum of everything before it, its algorithm and an end mark, so a
-truncated, torn or bit-flipped file is recognised on read. ``pt`` keeps the arrays as one
-``torch.save`` blob, loaded with ``weights_only=True`` (a planted pickle cannot run code);
-``npy`` keeps each array's raw buffer, the fastest to read.
+length, and no name: samples of one structure share header bytes, so a reader parses each
+distinct header once. (Entries of the first layout, ``FLCACHE1``, whose JSON header held the
+name, are still read.) The footer is a checksum of everything before it, its algorithm and an
+end mark, so a truncated, torn or bit-flipped file is recognised on read. ``pt`` keeps the
+arrays as one ``torch.save`` blob, loaded with ``weights_only=True`` (a planted pickle cannot
+run code); ``npy`` keeps each array's raw buffer, the fastest to read.
 
 ``zarr`` entries are Zarr v3 groups (readable by zarr-python): one chunked array per leaf,
 each chunk Blosc-compressed and followed by its CRC32C. They are read chunk by chunk on a
@@ -42,8 +45,11 @@ from fastload.stores._perprocess import PerProcessCache
 
 __all__ = ["FORMATS", "Format", "ZarrArray"]
 
-_MAGIC = b"FLCACHE1"
-_PREFIX = struct.Struct("<8sQ")
+_MAGIC = b"FLCACHE2"
+_PREFIX = struct.Struct("<8sQQ")  # magic, header length, name length
+_MAGIC_V1 = b"FLCACHE1"
+_PREFIX_V1 = struct.Struct("<8sQ")  # magic, header length (the name inside the header)
+_HEADERS = 4096  # parsed headers kept per process: one per structure and plain values (labels)
 _FOOTER = struct.Struct("<I4s")  # CRC32C of everything before it, end mark
 _END = b"FLC."
 _ALIGN = 64
@@ -94,14 +100,15 @@ class _FileFormat(Format):
     def write(self, sample: Any, name: str, path: Path) -> int:
         spec, leaves = flatten(sample)
         meta, blobs = self._encode(leaves)
-        header = json.dumps({"name": name, "format": self.name, "spec": spec, **meta}).encode()
-        header_end = _PREFIX.size + len(header)
-        crc = 0
+        header = json.dumps({"format": self.name, "spec": spec, **meta}).encode()
+        named = name.encode("utf-8", "surrogatepass")
+        prefix = _PREFIX.pack(_MAGIC, len(header), len(named))
         with _create(path) as out:
-            out.write(_PREFIX.pack(_MAGIC, len(header)))
-            crc = crc32c(header, crc32c(_PREFIX.pack(_MAGIC, len(header))))
+            out.write(prefix)
             out.write(header)
-            position = header_end
+            out.write(named)
+            crc = crc32c(named, crc32c(header, crc32c(prefix)))
+            position = len(prefix) + len(header) + len(named)
             for blob in blobs:
                 pad = bytes(_aligned(position) - position)
                 out.write(pad)
@@ -113,9 +120,9 @@ class _FileFormat(Format):
 
     def read(self, path: str | Path) -> Any:
         buffer = _read_checked(path)
-        header = _parse_header(buffer, path)
+        header, start = _parse_header(buffer, path)
         try:
-            blobs = self._blobs(buffer, header["sizes"])
+            blobs = self._blobs(buffer, header["sizes"], start)
             return unflatten(header["spec"], self._decode(header, blobs))
         except Exception as exc:  # the checksum passed: another format or version wrote it
             raise CorruptEntryError(
@@ -123,9 +130,8 @@ class _FileFormat(Format):
             ) from exc
 
     @staticmethod
-    def _blobs(buffer: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    def _blobs(buffer: np.ndarray, sizes: list[int], position: int) -> list[np.ndarray]:
         blobs: list[np.ndarray] = []
-        position = _PREFIX.size + int(_PREFIX.unpack_from(buffer.data)[1])
         for size in sizes:
             position = _aligned(position)
             blobs.append(buffer[position : position + size])
@@ -135,16 +141,21 @@ class _FileFormat(Format):
         return blobs
 
     def _header(self, path: str | Path) -> dict[str, Any]:
-        """The header alone, unchecked: enough to name an entry whose body is damaged."""
+        """The header and name alone, unchecked: enough to name an entry whose body is
+        damaged."""
         with open(path, "rb") as f:
             prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                raise CorruptEntryError(f"cache entry is truncated: {path}")
-            length = _PREFIX.unpack(prefix)[1]
-            if length > 1 << 24:
+            if prefix[:8] == _MAGIC_V1 and len(prefix) >= _PREFIX_V1.size:
+                size = _PREFIX_V1.size + _PREFIX_V1.unpack_from(prefix)[1]
+            elif prefix[:8] == _MAGIC and len(prefix) == _PREFIX.size:
+                size = _PREFIX.size + sum(_PREFIX.unpack(prefix)[1:])
+            else:
+                raise CorruptEntryError(f"cache entry is truncated or not one: {path}")
+            if size > 1 << 24:
                 raise CorruptEntryError(f"cache entry header is unreadable: {path}")
-            body = np.frombuffer(prefix + f.read(length), np.uint8)
-        return _parse_header(body, path)
+            body = np.frombuffer(prefix + f.read(size - len(prefix)), np.uint8)
+        header, _ = _parse_header(body, path)
+        return header
 
 
 def _create(path: Path) -> io.BufferedWriter:
@@ -167,14 +178,38 @@ def _read_checked(path: str | Path) -> np.ndarray:
     return buffer
 
 
-def _parse_header(buffer: np.ndarray, path: str | Path) -> dict[str, Any]:
-    magic, length = _PREFIX.unpack_from(buffer.data)
-    if magic != _MAGIC:
+_parsed: dict[bytes, dict[str, Any]] = {}
+
+
+def _parse_header(buffer: np.ndarray, path: str | Path) -> tuple[dict[str, Any], int]:
+    """The entry's header (its ``name`` included) and where its blobs start."""
+    magic = bytes(buffer[:8])
+    if magic == _MAGIC_V1:
+        _, length = _PREFIX_V1.unpack_from(buffer.data)
+        return _json(bytes(buffer[_PREFIX_V1.size : _PREFIX_V1.size + length]), path), (
+            _PREFIX_V1.size + length
+        )
+    if magic != _MAGIC or buffer.nbytes < _PREFIX.size:
         raise CorruptEntryError(f"not a fastload cache entry: {path}")
+    _, length, name_length = _PREFIX.unpack_from(buffer.data)
+    start = _PREFIX.size + length
+    raw = bytes(buffer[_PREFIX.size : start])
+    header = _parsed.get(raw)
+    if header is None:
+        if len(_parsed) >= _HEADERS:
+            _parsed.clear()
+        header = _parsed[raw] = _json(raw, path)
+    name = bytes(buffer[start : start + name_length]).decode("utf-8", "surrogatepass")
+    return {**header, "name": name}, start + name_length
+
+
+def _json(raw: bytes, path: str | Path) -> dict[str, Any]:
     try:
-        header: dict[str, Any] = json.loads(bytes(buffer[_PREFIX.size : _PREFIX.size + length]))
+        header = json.loads(raw)
     except ValueError as exc:
         raise CorruptEntryError(f"cache entry header is unreadable: {path}") from exc
+    if not isinstance(header, dict):
+        raise CorruptEntryError(f"cache entry header is unreadable: {path}")
     return header
 
 

@@ -79,9 +79,11 @@ class Cache:
     ``format``: ``"pt"`` (torch.save, loaded with ``weights_only=True``), ``"npy"`` (raw
     array buffers, the fastest) or ``"zarr"`` (chunked and compressed; crops read only what
     they touch, see :meth:`open`). ``max_bytes`` bounds this format's entries; the least
-    recently used are evicted past it. The budget is the directory's: it is recorded there, a
-    Cache opened without ``max_bytes`` keeps to the recorded one, and a different ``max_bytes``
-    replaces it for every process sharing the folder (with a warning). Formats may share a
+    recently used are evicted past it (reads are recorded only while a budget is set: entries
+    read while there was none are ordered by when they were written). The budget is the
+    directory's: it is recorded there, a Cache opened without ``max_bytes`` keeps to the
+    recorded one, and a different ``max_bytes`` replaces it for every process sharing the
+    folder (with a warning). Formats may share a
     directory; each keeps to its own.
 
     Names are any strings that identify a sample and everything that shaped it (object URL,
@@ -253,7 +255,7 @@ class Cache:
         except CorruptEntryError as exc:
             self._discard(digest, path, exc, held)
             return _MISSING
-        if not self.read_only:
+        if self.max_bytes is not None and not self.read_only:  # no budget: nothing to order
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)  # mtime orders eviction (least recently used first)
         return value
