@@ -16,7 +16,18 @@ from typing import Any
 
 import torch
 
-from benchmarks import cache, groups, parquet, peers, plots, sampler, stall, stores, volumes
+from benchmarks import (
+    cache,
+    groups,
+    limit,
+    parquet,
+    peers,
+    plots,
+    sampler,
+    stall,
+    stores,
+    volumes,
+)
 
 SCENARIOS = {
     "sampler": sampler.run,
@@ -27,6 +38,7 @@ SCENARIOS = {
     "epochs": cache.run_epochs,
     "crops": cache.run_crops,
     "warm": cache.run_warm,
+    "limit": limit.run_limit,
     "stall": stall.run_stall,
     "groups": groups.run_groups,
     "dicom": groups.run_dicom,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import cache, groups, parquet, peers, sampler, stall, stores, volumes
+from benchmarks import cache, groups, limit, parquet, peers, sampler, stall, stores, volumes
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -58,6 +58,17 @@ def test_epoch_benchmark_compares_every_reader() -> None:
     assert any("bare loop" in r for r in readers)
     assert all(row["samples/s (median)"] > 0 for row in rows)
     assert all(row["vs ceiling"] > 0 for row in rows if "cold" in row["reader"])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 workers, 2 CPUs
+def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
+    rows = limit.limit_rows(300, 1, progress=lambda _: None)
+    assert [row["reader"].split(",")[-1] for row in rows[1:]] == [
+        " 0 workers",
+        " 2 workers",
+        " 4 workers",
+    ]
+    assert rows[0]["vs limit"] == 1 and all(row["CPU us/sample"] > 0 for row in rows)
 
 
 def test_crop_benchmark_reads_full_and_cropped() -> None:

@@ -10,7 +10,7 @@ Needs ``pip install 'fastload[testing]'``.
 from __future__ import annotations
 
 from fastload.errors import ServerStartError
-from fastload.testing._process import ServerProcess, free_port, tree_pss_kib
+from fastload.testing._process import ServerProcess, free_port, tree_cpu_seconds, tree_pss_kib
 from fastload.testing.b2 import B2Server
 from fastload.testing.gcs import FakeGcsServer
 from fastload.testing.proxy import FaultProxy, Faults
@@ -27,5 +27,6 @@ __all__ = [
     "ServerProcess",
     "ServerStartError",
     "free_port",
+    "tree_cpu_seconds",
     "tree_pss_kib",
 ]

@@ -62,6 +62,20 @@ def tree_pss_kib(pid: int) -> int:
     return total
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and all its live descendants (Linux)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += tree_cpu_seconds(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # the process (or a child) ended while being read
+    return total
+
+
 def python_module_command(module: str, *args: str) -> list[str]:
     """Run ``module`` with this interpreter (servers written in Python)."""
     return [sys.executable, "-m", module, *args]

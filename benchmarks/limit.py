@@ -1,0 +1,116 @@
+"""Warm epochs against the local limit: random batches out of one ``np.memmap``.
+
+N pre-decoded 3x160x160 uint8 samples (an image after decode and resize). The limit reads
+shuffled batches of ``BATCH`` straight out of one memory-mapped array of all of them (fancy
+indexing, then ``torch.from_numpy``): no per-sample files, no checks, no loader. fastload reads
+the same samples as .npy files (``file://``; the source does not matter once warm) through
+``RemoteDataset(decode="npy", cache=Cache(format="npy"))`` and ``fastload.DataLoader(shuffle=
+True)`` at 0, 2 and 4 workers (persistent), after one epoch that fills the cache. Both run in
+this process, ``repeats`` times, interleaved; medians. CPU per sample is the user + system time
+of this process and its workers (``fastload.testing.tree_cpu_seconds``) over the epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fastload
+from fastload import Cache, RemoteDataset
+from fastload.testing import tree_cpu_seconds
+
+SHAPE = (3, 160, 160)
+BATCH = 256
+WORKERS = (0, 2, 4)
+
+
+def _sample(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SHAPE, dtype=np.uint8)
+
+
+def _write(folder: Path, n: int) -> Path:
+    """The samples as .npy files under ``folder/objects/shard-*/``, and all in one array."""
+    limit = np.lib.format.open_memmap(folder / "all.npy", "w+", np.uint8, (n, *SHAPE))
+    for i in range(n):
+        sample = _sample(i)
+        limit[i] = sample
+        shard = folder / "objects" / f"shard-{i % 16:02d}"
+        shard.mkdir(parents=True, exist_ok=True)
+        np.save(shard / f"{i:06d}.npy", sample)
+    limit.flush()
+    return folder / "all.npy"
+
+
+def _memmap_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
+    array = np.load(path, mmap_mode="r")
+    rng = np.random.default_rng(0)
+
+    def batches() -> Iterable[Any]:
+        order = rng.permutation(n)
+        return (torch.from_numpy(array[order[s : s + BATCH]]) for s in range(0, n, BATCH))
+
+    return batches
+
+
+def _measure(batches: Callable[[], Iterable[Any]], n: int) -> tuple[float, float]:
+    """Samples/s and CPU µs per sample of one pass over ``batches()``."""
+    cpu, started = tree_cpu_seconds(os.getpid()), time.perf_counter()
+    count = sum(len(batch) for batch in batches())
+    elapsed = time.perf_counter() - started
+    if count != n:
+        raise AssertionError(f"an epoch gave {count} of {n} samples")
+    return n / elapsed, (tree_cpu_seconds(os.getpid()) - cpu) / n * 1e6
+
+
+def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        progress(f"limit: writing {n} samples")
+        readers: dict[str, Callable[[], Iterable[Any]]] = {
+            "limit: np.memmap of all samples, shuffled batches": _memmap_epoch(_write(folder, n), n)
+        }
+        dataset = RemoteDataset(
+            f"file://{folder}/objects", decode="npy", cache=Cache(folder / "cache", format="npy")
+        )
+        for workers in WORKERS:
+            loader = fastload.DataLoader(
+                dataset,
+                batch_size=BATCH,
+                shuffle=True,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+            )
+            progress(f"limit: fastload, {workers} workers, first epoch")
+            _measure(lambda loader=loader: loader, n)  # fills the cache, starts the workers
+            readers[f"fastload warm epoch, npy cache, {workers} workers"] = lambda loader=loader: (
+                loader
+            )
+        measured: dict[str, list[tuple[float, float]]] = {name: [] for name in readers}
+        for repeat in range(repeats):  # interleaved, so noise hits every reader alike
+            for name, batches in readers.items():
+                progress(f"limit: {name} ({repeat + 1}/{repeats})")
+                measured[name].append(_measure(batches, n))
+    rows = [
+        {
+            "reader": name,
+            "samples/s (median)": statistics.median(rate for rate, _ in runs),
+            "CPU us/sample": statistics.median(cpu for _, cpu in runs),
+        }
+        for name, runs in measured.items()
+    ]
+    for row in rows:
+        row["vs limit"] = row["samples/s (median)"] / rows[0]["samples/s (median)"]
+        row["CPU vs limit"] = row["CPU us/sample"] / rows[0]["CPU us/sample"]
+    return rows
+
+
+def run_limit(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return limit_rows(512, 1, progress) if quick else limit_rows(20_000, 3, progress)
