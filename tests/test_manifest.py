@@ -256,3 +256,21 @@ def test_listing_requests_time_out_and_retry_as_fetches_do(
                 fetch_config=FetchConfig(timeout=0.5, retries=1, outage_budget=0),
             )
         assert time.monotonic() - started < 4.0  # timed out, not waited out
+
+
+def test_a_b2_listing_sends_no_more_calls_than_b2sdk(b2: Any) -> None:
+    """#21: B2 bills list calls; Manifest.build sent 66 where b2sdk's ls sends 3 (10,000 names
+    per call). 2,100 names, in directory-like keys: one call, as b2sdk's ls."""
+    root = f"b2://{BUCKET}/calls-{uuid.uuid4().hex[:8]}"
+    names = {f"plate {p}/well-{w:02d}/field {f}.tiff": b"x" for p in range(3) for w in range(70)
+             for f in range(10)}  # fmt: skip
+    write(root, b2.storage_options(), names)
+    with FaultProxy(b2.endpoint, flavor="b2") as proxy:
+        options = b2.storage_options(proxy.endpoint)
+        with pytest.raises(ObjectNotFoundError):  # signs in
+            Manifest.build(f"b2://{BUCKET}/calls-none", storage_options=options)
+        before = proxy.counters()["requests"]
+        listed = Manifest.build(root, storage_options=options)
+        calls = proxy.counters()["requests"] - before
+    assert sorted(url.removeprefix(root + "/") for url in listed.urls()) == sorted(names)
+    assert calls == 1
