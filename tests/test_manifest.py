@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -274,3 +275,70 @@ def test_a_b2_listing_sends_no_more_calls_than_b2sdk(b2: Any) -> None:
         calls = proxy.counters()["requests"] - before
     assert sorted(url.removeprefix(root + "/") for url in listed.urls()) == sorted(names)
     assert calls == 1
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs", "b2"])
+def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#21: RemoteDataset listed the bucket at every start. The listing is saved beside the
+    cache; the next start uses it even while listing stalls, and a listing in the background
+    reports what changed (the start after that uses the new listing)."""
+    from fastload import Cache, RemoteDataset
+
+    server = request.getfixturevalue({"s3": "seaweed", "gcs": "gcs", "b2": "b2"}[store])
+    root = f"{'gs' if store == 'gcs' else store}://{BUCKET}/saved-{uuid.uuid4().hex[:8]}"
+    write(root, server.storage_options(), {f"day 1/{i:03d}.bin": b"x" for i in range(30)})
+    config = FetchConfig(timeout=0.5, retries=0, outage_budget=0)
+    cache = Cache(tmp_path / "cache")
+    with FaultProxy(server.endpoint, flavor=store) as proxy:  # type: ignore[arg-type]
+        options = server.storage_options(proxy.endpoint)
+
+        def dataset(**kwargs: Any) -> RemoteDataset:
+            return RemoteDataset(
+                root, cache=cache, storage_options=options, fetch_config=config, **kwargs
+            )
+
+        first = dataset()
+        assert first.listing_check is None and len(first) == 30
+        assert list((tmp_path / "cache" / "manifests").glob("*.npz"))
+        listing = ("POST",) if store == "b2" else ("GET",)
+        proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0, methods=listing))
+        stalled = dataset()  # a listing now would time out and raise
+        assert len(stalled) == 30 and stalled.listing_check is not None
+        with pytest.raises(TransientStoreError):
+            stalled.listing_check.result(timeout=60)
+        proxy.set_faults(Faults())
+        write(root, server.storage_options(), {"day 2/000.bin": b"y"})
+        with caplog.at_level(logging.WARNING, logger="fastload.manifest"):
+            behind = dataset()
+            assert len(behind) == 30  # this run keeps the listing it started with
+            changes = behind.listing_check.result(timeout=60)  # type: ignore[union-attr]
+        assert (changes.added, changes.removed, changes.changed) == (1, 0, 0)
+        assert "1 added, 0 removed, 0 changed" in caplog.text
+        assert len(dataset()) == 31  # the next start uses the new listing
+        assert (
+            len(dataset(reuse_listing=False)) == 31
+            and dataset(reuse_listing=False).listing_check is None
+        )
+
+
+def test_an_unusable_saved_listing_is_listed_again(
+    seaweed: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fastload import RemoteDataset
+
+    root = f"s3://{BUCKET}/unusable-{uuid.uuid4().hex[:8]}"
+    write(root, seaweed.storage_options(), {f"{i}.bin": b"x" for i in range(3)})
+    path = tmp_path / "listing.npz"
+    path.write_bytes(b"not a manifest")
+    with caplog.at_level(logging.WARNING, logger="fastload.manifest"):
+        dataset = RemoteDataset(root, manifest_path=path, storage_options=seaweed.storage_options())
+    assert len(dataset) == 3 and "saved manifest is unusable" in caplog.text
+    assert len(Manifest.load(path, url=root)) == 3  # saved over the bad file
+    other = f"s3://{BUCKET}/other-{uuid.uuid4().hex[:8]}"
+    write(other, seaweed.storage_options(), {"a.bin": b"x"})
+    assert (
+        len(RemoteDataset(other, manifest_path=path, storage_options=seaweed.storage_options()))
+        == 1
+    )

@@ -7,11 +7,14 @@ once) instead of one after another.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -29,7 +32,7 @@ from fastload.errors import (
     UnsupportedSampleError,
 )
 from fastload.fetch import Fetcher
-from fastload.manifest import Manifest, current
+from fastload.manifest import Manifest, ManifestChanges, current, save_listing, saved_or_listed
 from fastload.sources import Sample, SampleSource, refreshed
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
 from fastload.sources.parquet import ParquetShards
@@ -246,6 +249,11 @@ class RemoteDataset(_Batched):
         be refreshed mid-epoch (their samples would move): list them again. Default: as
         ``on_error``.
     limit: use only the first ``limit`` samples (a quick debug run).
+    manifest_path: where the listing of a URL ``source`` is saved (default: in ``cache``'s
+        folder; with neither, the URL is listed at every start). With ``reuse_listing`` (the
+        default) a saved listing is used at once and listed again in the background
+        (:attr:`listing_check`): if the store's listing changed, a warning says how and the
+        next start uses the new one; ``reuse_listing=False`` lists at start (and saves).
     """
 
     def __init__(
@@ -273,13 +281,21 @@ class RemoteDataset(_Batched):
         limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         fetch_config: FetchConfig | None = None,
+        manifest_path: str | os.PathLike[str] | None = None,
+        reuse_listing: bool = True,
     ) -> None:
         _check_policies(on_error, on_change, shards, limit, cache)
+        self.listing_check: Future[ManifestChanges] | None = None
         if isinstance(source, Manifest):
             manifest = source
         elif isinstance(source, str):
-            manifest = Manifest.build(
-                source, storage_options=storage_options, fetch_config=fetch_config
+            manifest, self.listing_check = self._listing(
+                source,
+                manifest_path,
+                cache,
+                reuse_listing,
+                storage_options=storage_options,
+                fetch_config=fetch_config,
             )
         else:
             raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
@@ -344,6 +360,30 @@ class RemoteDataset(_Batched):
     def classes(self) -> tuple[str, ...] | None:
         """Label names, when labels were strings (labels are their indices)."""
         return self.source.classes
+
+    @staticmethod
+    def _listing(
+        url: str,
+        path: str | os.PathLike[str] | None,
+        cache: Cache | None,
+        reuse: bool,
+        *,
+        storage_options: Mapping[str, Any] | None,
+        fetch_config: FetchConfig | None,
+    ) -> tuple[Manifest, Future[ManifestChanges] | None]:
+        if path is None and cache is not None:
+            store = json.dumps(dict(storage_options or {}), sort_keys=True, default=str)
+            path = cache.manifest_path(f"{url}\0{store}")
+        if path is None or not reuse:
+            manifest = Manifest.build(
+                url, storage_options=storage_options, fetch_config=fetch_config
+            )
+            if path is not None:
+                save_listing(manifest, Path(path))
+            return manifest, None
+        return saved_or_listed(
+            url, Path(path), storage_options=storage_options, fetch_config=fetch_config
+        )
 
     def __repr__(self) -> str:
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"

@@ -13,9 +13,12 @@ import fnmatch
 import hashlib
 import io
 import json
+import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -26,7 +29,7 @@ import numpy as np
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetch import Request
-from fastload.ranks import on_rank_zero
+from fastload.ranks import on_rank_zero, rank_world
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
 
@@ -34,6 +37,7 @@ __all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges"]
 
 FORMAT = "fastload-manifest/1"
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Strings:
@@ -476,7 +480,11 @@ class Manifest(Sequence[Entry]):
         self, *, storage_options: Mapping[str, Any] | None = None, parallel: bool = True
     ) -> ManifestChanges:
         """List the root again and count what was added, removed or changed."""
-        new = Manifest.build(self.root, storage_options=storage_options, parallel=parallel)
+        return self._changes(
+            Manifest.build(self.root, storage_options=storage_options, parallel=parallel)
+        )
+
+    def _changes(self, new: Manifest) -> ManifestChanges:
         if new.fingerprint == self.fingerprint:
             return ManifestChanges(0, 0, 0, self)
         before = self._identities()
@@ -485,6 +493,83 @@ class Manifest(Sequence[Entry]):
         removed = len(before.keys() - after.keys())
         changed = sum(1 for k in after.keys() & before.keys() if after[k] != before[k])
         return ManifestChanges(added, removed, changed, new)
+
+
+def saved_or_listed(
+    url: str,
+    path: Path,
+    *,
+    storage_options: Mapping[str, Any] | None,
+    fetch_config: FetchConfig | None,
+) -> tuple[Manifest, Future[ManifestChanges] | None]:
+    """The manifest of ``url`` saved at ``path``, else a new listing (saved there).
+
+    A saved manifest is used at once, and listed again in the background: when the store's
+    listing differs, a warning says how, and the new listing is saved for the next start (this
+    run keeps the one it started with, so its indices stay put). The returned future holds what
+    that check found (None when nothing was saved). Under torch.distributed or XLA, rank 0
+    decides and the others receive its manifest; only rank 0 checks.
+    """
+    config = fetch_config or FetchConfig.from_env()
+
+    def listed() -> Manifest:
+        return Manifest._list(
+            url, pattern=None, storage_options=storage_options, parallel=True,
+            concurrency=32, config=config,
+        )  # fmt: skip
+
+    def on_zero() -> tuple[Manifest, bool]:
+        try:
+            return Manifest.load(path, url=url), True
+        except FileNotFoundError:
+            pass
+        except ConfigError as exc:
+            log.warning("listing %s again: its saved manifest is unusable (%s)", url, exc)
+        manifest = listed()
+        save_listing(manifest, path)
+        return manifest, False
+
+    manifest, saved = on_rank_zero(on_zero)
+    if not saved or rank_world()[0] != 0:
+        return manifest, None
+    return manifest, _in_background(lambda: _check(manifest, listed(), path))
+
+
+def _check(saved: Manifest, new: Manifest, path: Path) -> ManifestChanges:
+    changes = saved._changes(new)
+    if changes.any:
+        log.warning(
+            "the listing of %s changed since its manifest was saved (%d added, %d removed, "
+            "%d changed): this run uses the saved one; the next start uses the new listing",
+            saved.root,
+            changes.added,
+            changes.removed,
+            changes.changed,
+        )
+        save_listing(new, path)
+    return changes
+
+
+def save_listing(manifest: Manifest, path: Path) -> None:
+    """``manifest.save(path)``, or a note in the log where it cannot be saved."""
+    try:
+        manifest.save(path)
+    except OSError as exc:  # a read-only cache, say: the listing still serves this run
+        log.info("could not save the manifest of %s at %s (%s)", manifest.root, path, exc)
+
+
+def _in_background(work: Callable[[], T]) -> Future[T]:
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:
+            log.warning("could not check a saved listing against the store: %s", exc)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="fastload-listing-check", daemon=True).start()
+    return future
 
 
 def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:

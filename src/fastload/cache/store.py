@@ -10,6 +10,8 @@ Layout under ``root``::
     tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
     usage-<format>                   bytes of that format's entries and its budget (kept under its
                                      own lock): every process sharing the folder keeps to one budget
+    manifests/<digest>.npz           saved listings of the datasets using this cache (not entries:
+                                     ``clear`` and the budget leave them)
 
 A sample's file name is a hash of its name and the format, so no name can reach outside
 ``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
@@ -236,6 +238,11 @@ class Cache:
     def _path(self, digest: str) -> str:
         # plain strings: building Path objects cost more than reading a small entry
         return f"{self._entry_root}/{digest[:2]}/{digest[2:4]}/{digest}{self._layout.suffix}"
+
+    def manifest_path(self, identity: str) -> Path:
+        """Where the listing of the dataset ``identity`` (its URL and store) is saved."""
+        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+        return self.root / "manifests" / f"{digest}.npz"
 
     def _lock(self, digest: str) -> FileLock:
         return FileLock(self.root / "locks" / digest[:2] / f"{digest}.lock")
