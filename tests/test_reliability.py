@@ -82,7 +82,7 @@ def test_r8_a_30_s_outage_mid_epoch_delivers_every_sample(
         loader = fastload.DataLoader(dataset, batch_size=40, num_workers=0, collate_fn=list)
         seen: Counter[str] = Counter()
         end = threading.Timer(OUTAGE_S, lambda: proxy.set_faults(Faults()))
-        with caplog.at_level(logging.WARNING, logger="fastload.fetch"):
+        with caplog.at_level(logging.WARNING, logger="fastload.fetcher"):
             for i, batch in enumerate(loader):
                 seen.update(digest(body) for body in batch)
                 if i == 1:  # the lookahead has requests in flight: they meet the outage too

@@ -21,7 +21,7 @@ from fastload.errors import (
     TransientStoreError,
     UnsupportedSampleError,
 )
-from fastload.fetch import Fetcher, Request, fetch
+from fastload.fetcher import Fetcher, Request, fetch
 from fastload.loader import DataLoader
 from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.sampler import PermutationSampler, WeightedSampler

@@ -20,7 +20,7 @@ def _check(owner: object, name: str, ok: bool, expected: str) -> None:
 
 @dataclass(frozen=True)
 class FetchConfig:
-    """How :mod:`fastload.fetch` reads objects.
+    """How :mod:`fastload.fetcher` reads objects.
 
     concurrency: requests in flight at once.
     timeout: seconds an attempt may go without receiving anything (before the first byte, then

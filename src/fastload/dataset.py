@@ -31,7 +31,7 @@ from fastload.errors import (
     TransientStoreError,
     UnsupportedSampleError,
 )
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest, ManifestChanges, current, save_listing, saved_or_listed
 from fastload.sources import Sample, SampleSource, refreshed
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder

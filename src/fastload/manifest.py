@@ -28,7 +28,7 @@ import numpy as np
 
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
-from fastload.fetch import Request
+from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister

@@ -71,7 +71,7 @@ class Histogram:
 
 @dataclass
 class FetchStats:
-    """What :class:`fastload.fetch.Fetcher` did: every attempt, retry, hedge and byte."""
+    """What :class:`fastload.fetcher.Fetcher` did: every attempt, retry, hedge and byte."""
 
     requests: int = 0  # attempts sent, including retries and hedges
     objects: int = 0  # requests answered in full

@@ -18,7 +18,7 @@ import pytest
 
 from fastload.config import FetchConfig
 from fastload.errors import AccessDeniedError, ObjectNotFoundError
-from fastload.fetch import Fetcher, Request
+from fastload.fetcher import Fetcher, Request
 from fastload.manifest import Manifest
 from fastload.stores import _listing, filesystem
 from fastload.testing import FaultProxy

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest
 from fastload.stores import _listing, filesystem
 from fastload.testing import B2Server, S3Server

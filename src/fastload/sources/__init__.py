@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fastload.errors import DecodeError, StoreError
-from fastload.fetch import Fetcher, Request
+from fastload.fetcher import Fetcher, Request
 
 __all__ = ["Part", "Sample", "SampleSource", "group_version", "read_objects", "refreshed"]
 

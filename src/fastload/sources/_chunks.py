@@ -30,7 +30,7 @@ import numpy as np
 
 from fastload.cache import Cache
 from fastload.errors import ShardError
-from fastload.fetch import Fetcher, Request
+from fastload.fetcher import Fetcher, Request
 
 __all__ = ["Chunk", "ChunkReader"]
 

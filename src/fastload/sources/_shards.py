@@ -19,7 +19,7 @@ import numpy as np
 from fastload.cache import Cache
 from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, DecodeError, FastloadError, ShardError, StoreError
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest
 from fastload.sources import Part, Sample
 from fastload.sources._chunks import Chunk, ChunkReader

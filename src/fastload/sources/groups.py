@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastload.errors import ConfigError, DecodeError
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Grouping, Manifest, read_labels
 from fastload.sources import Part, Sample, group_version, read_objects
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint

@@ -23,7 +23,7 @@ import numpy as np
 
 from fastload._extras import import_extra
 from fastload.errors import ShardError
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest, Strings
 from fastload.sources._chunks import Chunk
 from fastload.sources._shards import Shards

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest
 from fastload.sources import Part, Sample, read_objects
 

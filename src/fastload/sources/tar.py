@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from fastload.errors import ShardError
-from fastload.fetch import Fetcher
+from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Strings
 from fastload.sources._shards import Shards
 

@@ -4,7 +4,7 @@ s3fs/botocore spend about 2 ms of CPU per GET; obstore about a quarter of that, 
 decides throughput on a small machine (see docs/benchmarks.md). It is used only for reads, only
 when obstore is installed and the ``storage_options`` say everything it needs (explicit keys or
 AWS_* variables, a known region or endpoint); anything else keeps the general s3fs path.
-Retries stay in :mod:`fastload.fetch` (obstore's own are switched off) so every attempt is
+Retries stay in :mod:`fastload.fetcher` (obstore's own are switched off) so every attempt is
 counted and backed off the same way on every store.
 
 obstore's async runtime does not survive ``fork``: a child forked after the parent used it
@@ -79,7 +79,7 @@ def _s3_kwargs(options: Mapping[str, Any]) -> dict[str, Any] | None:
         "virtual_hosted_style_request": style == "virtual" or (not endpoint and style != "path"),
         "client_options": {
             "allow_http": bool(endpoint and str(endpoint).startswith("http://")),
-            "timeout": timedelta(hours=1),  # per-attempt timeouts are fastload.fetch's
+            "timeout": timedelta(hours=1),  # per-attempt timeouts are fastload.fetcher's
             "connect_timeout": timedelta(seconds=10),
         },
         "retry_config": {"max_retries": 0, "retry_timeout": timedelta(hours=1)},

@@ -3,7 +3,7 @@ absence of progress.
 
 A manifest records each object's version (S3's ETag, a GCS generation, a B2 file id or SHA-1,
 a local file's mtime). Every read here also says which version its bytes are, so
-:mod:`fastload.fetch` can refuse bytes of an object replaced since it was indexed instead of
+:mod:`fastload.fetcher` can refuse bytes of an object replaced since it was indexed instead of
 caching them under the old version's name (see :class:`fastload.errors.ObjectChangedError`).
 GCS is asked for the indexed generation itself. A store that names no version (``memory://``)
 serves ``()``, and nothing is checked.

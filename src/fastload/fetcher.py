@@ -81,7 +81,7 @@ def _as_request(item: str | Request) -> Request:
         return item
     if isinstance(item, str):
         return Request(item)
-    raise ConfigError(f"fetch expects URLs or fastload.fetch.Request, got {item!r}")
+    raise ConfigError(f"fetch expects URLs or fastload.Request, got {item!r}")
 
 
 class Fetcher:
