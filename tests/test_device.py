@@ -157,6 +157,19 @@ def test_state_dict_through_the_device_loader_skips_nothing() -> None:
         DeviceLoader([], "cpu").state_dict()
 
 
+def test_set_epoch_through_the_device_loader_picks_the_loaders_order() -> None:
+    data = list(range(20))
+
+    def order(epoch: int) -> list[int]:
+        loader = DeviceLoader(fastload.DataLoader(data, batch_size=4, shuffle=True), "cpu")
+        loader.set_epoch(epoch)
+        return [int(v) for batch in loader for v in batch]
+
+    assert order(3) == order(3) != order(4) and sorted(order(4)) == data
+    with pytest.raises(ConfigError, match="no set_epoch"):
+        DeviceLoader([], "cpu").set_epoch(1)
+
+
 def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
     seaweed: S3Server, tmp_path: Path
 ) -> None:

@@ -214,7 +214,7 @@ def test_r2_kill_9_at_random_moments_loses_nothing(seaweed: S3Server, tmp_path: 
     with slow_bucket(seaweed, n, 0.2) as (root, options):
         base = [SCRIPT, "warm-cache", root, "-c", str(cache_dir), "--format", "npy"]
         base += options_args(options)
-        warm = [*base, "--batch-size", "8", "--workers", "1"]
+        warm = [*base, "--batch-size", "8", "--in-flight", "1"]
         train = [sys.executable, str(script), root, str(cache_dir), json.dumps(options)]
         for kill in range(20):
             proc = start(warm if kill % 2 == 0 else train)
@@ -227,7 +227,7 @@ def test_r2_kill_9_at_random_moments_loses_nothing(seaweed: S3Server, tmp_path: 
         assert not any((cache_dir / "tmp").iterdir())
         before = len(cache)
         assert 0 < before < n  # the kills landed while the cache was filling
-        rerun = [*base, "--batch-size", "64", "--workers", "4", "--json"]  # quick under load
+        rerun = [*base, "--batch-size", "64", "--in-flight", "4", "--json"]  # quick under load
         done = subprocess.run(rerun, capture_output=True, text=True, timeout=300, check=False)
     result = json.loads(done.stdout)
     assert done.returncode == 0 and result["requests"] == n - before, result

@@ -219,7 +219,14 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         ),
     ] = None,
     transform: Annotated[str | None, typer.Option(help="module:attr of the preprocessing.")] = None,
-    workers: Annotated[int, typer.Option(help="Batches in flight at once.")] = 4,
+    in_flight: Annotated[
+        int,
+        typer.Option(
+            "--in-flight",
+            "--workers",  # its first name, kept working: not DataLoader workers
+            help="Batches in flight at once.",
+        ),
+    ] = 4,
     batch_size: Annotated[int, typer.Option(help="Objects per concurrent batch.")] = 64,
     limit: Annotated[int | None, typer.Option(help="Only the first N objects.")] = None,
     shard: Annotated[
@@ -286,7 +293,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     total_bytes = dataset.nbytes(indices) if isinstance(dataset, RemoteDataset) else 0
     with _progress(len(indices), total_bytes, quiet=as_json) as update:
         report = warm_cache(
-            dataset, indices, batch_size=batch_size, threads=workers, on_progress=update
+            dataset, indices, batch_size=batch_size, threads=in_flight, on_progress=update
         )
     result = report.as_dict()
     if cost_per_1k_requests is not None or cost_per_gb is not None:

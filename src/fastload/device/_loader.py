@@ -159,6 +159,13 @@ class DeviceLoader:
                 "batches; use fastload.DataLoader"
             ) from None
 
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's ``set_epoch`` (its sampler's order for ``epoch``)."""
+        set_epoch = getattr(self.loader, "set_epoch", None)
+        if set_epoch is None:
+            raise ConfigError(f"DeviceLoader: {self.loader!r} has no set_epoch()")
+        set_epoch(epoch)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load = getattr(self.loader, "load_state_dict", None)
         if load is None:
