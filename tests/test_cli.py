@@ -1,7 +1,10 @@
-"""The ``fastload`` console script, run for real in a subprocess against the loopback stores."""
+"""The ``fastload`` command against the loopback stores: in this process, and as the installed
+console script in a fresh process where signals, the environment or imports are tested."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,6 +20,7 @@ from typing import Any
 import pytest
 
 from fastload import Cache
+from fastload._cli import main
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
@@ -30,17 +34,20 @@ def options_args(options: dict[str, Any]) -> list[str]:
     return [arg for key, value in options.items() for arg in ("-o", f"{key}={json.dumps(value)}")]
 
 
-def fastload(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [SCRIPT, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
+def fastload(*args: str, real: bool = False) -> subprocess.CompletedProcess[str]:
+    """The command's exit code, stdout and stderr: run in this process (what the console
+    script runs: ``fastload._cli.main``), or with ``real`` as the installed script in a fresh
+    process (where imports, the environment or the process itself are what is tested)."""
+    if real:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+        return subprocess.run(
+            [SCRIPT, *args], capture_output=True, text=True, timeout=180, env=env, cwd=REPO,
+            check=False,
+        )  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess([SCRIPT, *args], code, out.getvalue(), err.getvalue())
 
 
 def warm_json(*args: str) -> tuple[int, dict[str, Any]]:
@@ -110,7 +117,7 @@ def test_an_interrupted_warm_is_finished_by_a_rerun(
         "--workers",
         "1",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     proc = subprocess.Popen(
         [SCRIPT, "warm-cache", *args, *options_args(options), "--json"],
         stdout=subprocess.PIPE,
@@ -142,7 +149,7 @@ def test_two_shards_cover_everything_exactly_once(
 ) -> None:
     root, options = s3_objects
     args = [root, "--cache-dir", str(tmp_path), "--format", "npy", *options_args(options), "--json"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     procs = [
         subprocess.Popen(
             [SCRIPT, "warm-cache", *args, "--shard", f"{i}/2", "--seed", "3"],
@@ -298,7 +305,7 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
         assert len(lines) == 1 and words in lines[0], (args, done.stderr)
         assert "Traceback" not in done.stderr
         assert secret not in done.stdout + done.stderr
-    debug = fastload("--debug", "warm-cache", "ftp://host/x", "--cache-dir", str(cdir))
+    debug = fastload("--debug", "warm-cache", "ftp://host/x", "--cache-dir", str(cdir), real=True)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
@@ -319,14 +326,14 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
 def test_credentials_never_reach_the_terminal(token: str) -> None:
     # the token endpoint cannot be reached: google-auth's error names it with the token in
     # its query string; fastload prints the error line without it
-    done = fastload("ls", "gs://some-bucket/x", "-o", f"token={token}", timeout=120)
+    done = fastload("ls", "gs://some-bucket/x", "-o", f"token={token}", real=True)  # logs too
     assert done.returncode == 1, done.stderr
     assert "never-print-me" not in done.stdout + done.stderr, done.stderr
 
 
 def test_bench_is_the_diagnosis_only_and_never_imports_the_repository() -> None:
     """#20: `fastload bench` ran whatever package named `benchmarks` came first on sys.path."""
-    done = fastload("bench")
+    done = fastload("bench", real=True)
     assert done.returncode == 2 and "--diagnose" in done.stderr
     source = (REPO / "src" / "fastload" / "_cli" / "app.py").read_text()
     assert "benchmarks" not in source
@@ -335,7 +342,7 @@ def test_bench_is_the_diagnosis_only_and_never_imports_the_repository() -> None:
 def test_version_and_help() -> None:
     from fastload import __version__
 
-    assert fastload("--version").stdout.strip() == f"fastload {__version__}"
+    assert fastload("--version", real=True).stdout.strip() == f"fastload {__version__}"
     for command in (
         ["--help"],
         ["warm-cache", "--help"],
