@@ -10,7 +10,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONSTRAINTS := requirements/constraints.txt
 URL ?=
 
-.PHONY: help env xla-env test test-main test-xla soak demo lint bench bench-quick docs clean
+.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick docs clean
 
 help:
 	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench  - benchmarks (writes benchmarks/results, the plots in docs/img)"
 	@echo "make docs   - build the docs site into site/ (mkdocs --strict)"
 	@echo "make soak   - the long soak test (FASTLOAD_SOAK_EPOCHS=12)"
+	@echo "make test-load - the reliability, fetch and server tests beside 10 busy processes"
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt requirements/docs.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
@@ -50,6 +51,11 @@ test-main: env
 
 test-xla: xla-env
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -m xla -p no:cacheprovider tests/xla $(PYTEST_ARGS)
+
+LOAD_TESTS := tests/test_reliability.py tests/test_fetch.py tests/test_servers.py tests/test_proxy.py
+
+test-load: env
+	$(PY) -m tests.under_load --load 10 -m "not slow and not xla" -p no:cacheprovider $(LOAD_TESTS) $(PYTEST_ARGS)
 
 soak: env
 	$(PY) -m pytest -m slow -s tests/test_reliability.py $(PYTEST_ARGS)
