@@ -52,6 +52,8 @@ def render(results: Path, out: Path = IMAGES) -> list[Path]:
 
 def _label(row: dict[str, Any]) -> str:
     name = next(str(row[key]) for key in LABELS if key in row)
+    if "workers" in row:
+        name += f", {row['workers']} workers" if row["workers"] != "defaults" else ""
     return f"{row['store']}: {name}" if "store" in row else name
 
 
