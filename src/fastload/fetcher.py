@@ -35,7 +35,6 @@ _OUTAGE_LOG_EVERY = 10.0  # seconds between warnings while the store answers not
 # stalls (a whole timeout each) after which an object beside a working store is given up; at 2,
 # R1's 1% of random stalls quarantined about one read in 10,000
 _STALLS = 3
-_WHOLE = ("gs://", "gcs://")  # stores whose reads have no silence timeout (see stores._reads)
 
 
 @dataclass(frozen=True)
@@ -221,8 +220,7 @@ class Fetcher:
             now, since = time.monotonic(), previous
             previous = now
             self._transient_failures += 1
-            # on gs:// a timeout bounds gcsfs's whole attempt, its own retry sleeps included
-            stalls += isinstance(error.__cause__, TimeoutError) and not url.startswith(_WHOLE)
+            stalls += isinstance(error.__cause__, TimeoutError)
             others_failed = self._transient_failures - mark > failures
             answering = self._last_ok > since or (self._last_ok > started and not others_failed)
             if failures <= config.retries and not (stalls >= _STALLS and answering):

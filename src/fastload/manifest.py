@@ -8,6 +8,7 @@ of a second and take tens of MB, not a list of a million Python objects.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import fnmatch
 import hashlib
@@ -20,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -32,6 +34,7 @@ from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
 from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
 from fastload.stores._listing import Listed, list_parallel, page_lister
+from fastload.stores._retry import retrying
 
 __all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges"]
 
@@ -219,8 +222,15 @@ class Manifest(Sequence[Entry]):
                     loop, list_parallel, lister, prefix, concurrency=concurrency, config=config
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
-            else:
-                listed = _find(fs, root)
+            else:  # the filesystem's own find, retried whole as a page would be
+                listed = fsspec.asyn.sync(
+                    fsspec.asyn.get_loop(),
+                    retrying,
+                    partial(asyncio.to_thread, _find, fs, root),
+                    give_up=lambda failures, _: failures > config.retries,
+                    backoff=config.backoff,
+                    max_backoff=config.max_backoff,
+                )
         except StoreError:
             raise
         except Exception as exc:  # the client's own errors: translated at the one boundary

@@ -174,7 +174,8 @@ class ManifestConformance:
         parallel = Manifest.build(case.root, storage_options=case.read_options)
         assert parallel.keys() == sorted(data)
         assert [entry.size for entry in parallel] == [len(data[k]) for k in sorted(data)]
-        if _listing.page_lister(case.root.split("://")[0], None, "") is not None:  # type: ignore[arg-type]
+        lister = _listing.page_lister(case.root.split("://")[0], None, "")  # type: ignore[arg-type]
+        if lister is not None and lister.split:  # (B2 lists one chain of 10,000-name pages)
             # the listing really split at directory names (the case that lost keys)
             base = case.root.split("/", 3)[3] + "/"
             dirs = {base + k.rsplit("/", i)[0] for k in data for i in (1, 2) if k.count("/") >= i}

@@ -53,22 +53,22 @@ class PageLister(Protocol):
     #: whether the store may order keys as a file tree (S3 emulations do): split points are
     #: then checked first (see the module docstring)
     tree_ordered: bool
-    #: the most keys one request returns
-    page_size: int
+    #: the most keys one request returns (None: ``PAGE``)
+    page_size: int | None
     #: whether key ranges are listed concurrently (the store bills or limits list calls: no)
     split: bool
 
     async def page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
-        """Up to ``limit`` (<= ``page_size``) keys under ``prefix``: the first page after
+        """Up to ``limit`` (<= the page size) keys under ``prefix``: the first page after
         ``start_after`` when ``token`` is None, else the page ``token`` continues; and the
         token of the next page (None at the end)."""
 
 
 class _S3Pages:
     tree_ordered = True
-    page_size = PAGE
+    page_size: int | None = None
     split = True
 
     def __init__(self, fs: Any, bucket: str) -> None:
@@ -112,7 +112,7 @@ class _ObstorePages:
     """
 
     tree_ordered = True
-    page_size = PAGE
+    page_size: int | None = None
     split = True
 
     def __init__(self, store: Any, general: _S3Pages) -> None:
@@ -149,7 +149,7 @@ class _ObstorePages:
 
 class _GcsPages:
     tree_ordered = True  # real GCS is not, but emulators may be
-    page_size = PAGE
+    page_size: int | None = None
     split = True
 
     def __init__(self, fs: Any, bucket: str) -> None:
@@ -179,7 +179,7 @@ class _B2Pages:
     pages, as b2sdk's ``ls`` does (3 calls for 24,750 names), not concurrent 1,000-key ranges."""
 
     tree_ordered = False  # B2 lists file names in UTF-8 byte order
-    page_size = 10_000
+    page_size: int | None = 10_000
     split = False
 
     def __init__(self, fs: Any, bucket: str) -> None:
@@ -306,11 +306,12 @@ async def list_parallel(
         return [p for p, gs in zip(points, guards, strict=True) if all(ok[g] for g in gs)]
 
     async def walk(lo: str | None, hi: str | None, token: Any = None) -> None:
-        limit = lister.page_size if hi is None or token is not None else PROBE
+        full = lister.page_size or PAGE
+        limit = full if hi is None or token is not None else PROBE
         full_pages = 0
         while True:
             page, token = await ask(prefix, lo, token, limit)
-            limit = lister.page_size
+            limit = full
             inside = [e for e in page if hi is None or e.key <= hi]
             found.update((e.key, e) for e in inside)
             if token is None or len(inside) < len(page) or not inside:
