@@ -66,18 +66,17 @@ def servers(store: str, request: pytest.FixtureRequest) -> Any:
 OUTAGE_S = 30.0  # what #19 asks a run to survive, with the default FetchConfig
 
 
-@pytest.mark.parametrize("store", ["s3", "b2"])
+@pytest.mark.parametrize("store", ["s3", "gcs", "b2"])
 def test_r8_a_30_s_outage_mid_epoch_delivers_every_sample(
     store: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Mid-epoch, every request gets a 503 or a reset for 30 s; the epoch waits it out."""
     server = servers(store, request)
-    scheme = {"s3": "s3", "b2": "b2"}[store]
+    scheme = {"s3": "s3", "gcs": "gs", "b2": "b2"}[store]
     root = f"{scheme}://{BUCKET}/outage-{uuid.uuid4().hex[:8]}"
     expected = put_objects(root, server.storage_options(), 400, seed=3)
     manifest = Manifest.build(root, storage_options=server.storage_options())
-    flavor = "s3" if store == "s3" else "b2"
-    with FaultProxy(server.endpoint, flavor=flavor) as proxy:  # type: ignore[arg-type]
+    with FaultProxy(server.endpoint, flavor=store) as proxy:  # type: ignore[arg-type]
         dataset = RemoteDataset(manifest, storage_options=server.storage_options(proxy.endpoint))
         loader = fastload.DataLoader(dataset, batch_size=40, num_workers=0, collate_fn=list)
         seen: Counter[str] = Counter()

@@ -25,7 +25,7 @@ class FetchConfig:
     concurrency: requests in flight at once.
     timeout: seconds an attempt may go without receiving anything (before the first byte, then
         between chunks of the body) before it counts as a transient failure; a slow body that
-        keeps arriving is never cut off (gcsfs reads a body whole: there it bounds an attempt).
+        keeps arriving is never cut off.
     retries: further attempts after a transient failure (throttling, 5xx, reset, truncation,
         timeout) while the store answers other requests: an object still failing then is
         quarantined (below). Not-found, access-denied and changed objects are never retried.
