@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -47,33 +47,37 @@ def http_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def tree_pss_kib(pid: int) -> int:
-    """Proportional set size of process ``pid`` and all its descendants, in KiB (Linux)."""
-    total = 0
+def _tree_sum(pid: int, measure: Callable[[int], float]) -> float:
+    """``measure(p)`` summed over process ``pid`` and all its live descendants (Linux)."""
+    total = 0.0
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                total += int(line.split()[1])
+        total += measure(pid)
         for task in Path(f"/proc/{pid}/task").iterdir():
             for child in (task / "children").read_text().split():
-                total += tree_pss_kib(int(child))
+                total += _tree_sum(int(child), measure)
     except (FileNotFoundError, ProcessLookupError):
         pass  # the process (or a child) ended while being read
     return total
+
+
+def _pss_kib(pid: int) -> float:
+    lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in lines if line.startswith("Pss:"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_pss_kib(pid: int) -> int:
+    """Proportional set size of process ``pid`` and all its descendants, in KiB (Linux)."""
+    return int(_tree_sum(pid, _pss_kib))
 
 
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and all its live descendants (Linux)."""
-    total = 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                total += tree_cpu_seconds(int(child))
-    except (FileNotFoundError, ProcessLookupError):
-        pass  # the process (or a child) ended while being read
-    return total
+    return _tree_sum(pid, _cpu_seconds)
 
 
 def python_module_command(module: str, *args: str) -> list[str]:
