@@ -305,3 +305,18 @@ def test_lookahead_fetches_ahead_of_the_workers(
     assert total is not None
     assert 0 < ahead <= 48  # the lookahead may win every race: the workers then only hit
     assert total.fetch.objects == 48  # each object fetched once: by the lookahead or a worker
+
+
+def test_forked_workers_wait_for_a_running_listing_check() -> None:
+    """A worker forked while the dataset's listing check talks to the store would copy its
+    half-used connections (R3 hung so): fork waits for the check; forkserver need not."""
+    from concurrent.futures import Future
+
+    data = Numbers(8)
+    check: Future[None] = Future()
+    data.listing_check = check  # type: ignore[attr-defined]
+    threading.Timer(0.3, check.set_result, args=(None,)).start()
+    loader = fastload.DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="fork")
+    batches = iter(loader)
+    assert check.done()
+    assert sum(len(y) for _, y in batches) == 8

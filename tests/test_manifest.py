@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import time
 import uuid
 from pathlib import Path
@@ -314,6 +315,8 @@ def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
             behind = dataset()
             assert len(behind) == 30  # this run keeps the listing it started with
             changes = behind.listing_check.result(timeout=60)  # type: ignore[union-attr]
+        copy = pickle.loads(pickle.dumps(behind))  # as DataLoader workers get it (forkserver)
+        assert copy.listing_check is None and len(copy) == 30
         assert (changes.added, changes.removed, changes.changed) == (1, 0, 0)
         assert "1 added, 0 removed, 0 changed" in caplog.text
         assert len(dataset()) == 31  # the next start uses the new listing

@@ -361,6 +361,11 @@ class RemoteDataset(_Batched):
         """Label names, when labels were strings (labels are their indices)."""
         return self.source.classes
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for DataLoader workers: the listing check stays with this process (a future
+        holds a lock, which does not pickle, and the check is rank 0's alone)."""
+        return {**self.__dict__, "listing_check": None}
+
     @staticmethod
     def _listing(
         url: str,

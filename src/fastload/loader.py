@@ -43,6 +43,7 @@ _STATE_VERSION = 1
 BLOCK_WINDOW = 2
 """Chunks a shard-aware shuffle mixes at once (see :class:`DataLoader`)."""
 _END = object()
+_FORK_WAIT = 120.0  # seconds workers wait to fork for a dataset's listing check
 
 
 def default_workers() -> int:
@@ -187,10 +188,20 @@ class DataLoader(tud.DataLoader[Any]):
         self._passes += 1
         self._consumed = 0
         self._pass_start = copy.deepcopy(self.stage_counters())
+        self._before_fork()
         batches: Iterator[Any] = super().__iter__()
         if self.num_workers == 0 and self.background:
             batches = iter(_Background(batches, depth=2))
         return self._deliver(batches)
+
+    def _before_fork(self) -> None:
+        """Workers forked while a dataset's listing check talks to the store would copy its
+        half-used connections: let the check finish first (forkserver workers need not)."""
+        check = getattr(self.dataset, "listing_check", None)
+        context = self.multiprocessing_context
+        forks = context is None or context.get_start_method() == "fork"
+        if self.num_workers and forks and isinstance(check, Future) and not check.done():
+            wait([check], timeout=_FORK_WAIT)
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         try:
