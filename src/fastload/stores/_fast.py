@@ -31,7 +31,7 @@ __all__ = ["fast_store", "list_stream", "next_page", "read", "readable"]
 
 _OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "anon"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
-_CONFIG_KWARGS = {"max_pool_connections", "s3"}
+_CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout"}
 
 _stores: PerProcessCache[tuple[str, str], Any] = PerProcessCache()
 _runtime = {"started": False, "inherited": False}
@@ -79,8 +79,8 @@ def _s3_kwargs(options: Mapping[str, Any]) -> dict[str, Any] | None:
         "virtual_hosted_style_request": style == "virtual" or (not endpoint and style != "path"),
         "client_options": {
             "allow_http": bool(endpoint and str(endpoint).startswith("http://")),
-            "timeout": timedelta(hours=1),  # per-attempt timeouts are fastload.fetcher's
-            "connect_timeout": timedelta(seconds=10),
+            "timeout": timedelta(hours=1),  # silence timeouts (read_timeout's role) are fastload's
+            "connect_timeout": timedelta(seconds=config_kwargs.get("connect_timeout", 10)),
         },
         "retry_config": {"max_retries": 0, "retry_timeout": timedelta(hours=1)},
     }

@@ -37,12 +37,15 @@ class S3Server(ServerProcess):
         return http_answers(self.endpoint)
 
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
-        """s3fs options for this server, or for a proxy in front of it at ``endpoint``."""
+        """s3fs options for this server, or for a proxy in front of it at ``endpoint``. The
+        connect and read timeouts hold on a machine at a load of 10 (s3fs's own, 5 and 15 s,
+        did not: set-up uploads failed to connect to loopback)."""
         return {
             "key": self.access_key,
             "secret": self.secret_key,
             "endpoint_url": endpoint or self.endpoint,
             "client_kwargs": {"region_name": REGION},
+            "config_kwargs": {"connect_timeout": 60, "read_timeout": 120},
         }
 
     def client(self, endpoint: str | None = None) -> Any:
