@@ -146,11 +146,7 @@ async def _s3(fs: Any, path: str, span: tuple[int | None, int | None], patience:
     """One GetObject through s3fs's client; the response's ETag names the version served."""
     start, end = span
     bucket, key, version_id = fs.split_path(path)
-    extra: dict[str, str] = {}
-    if end is not None:
-        extra["Range"] = f"bytes={start or 0}-{end - 1}"
-    elif start:
-        extra["Range"] = f"bytes={start}-"
+    extra = _range(start, end)
     if version_id:
         extra["VersionId"] = version_id
     timeout = patience.timeout
@@ -183,13 +179,7 @@ async def _gcs(
     start, end = span
     if end is not None and end <= max(start or 0, 0):
         return Body(b"")
-    headers = {}
-    if start is not None and start < 0:
-        headers["Range"] = f"bytes={start}"  # the last -start bytes
-    elif end is not None:
-        headers["Range"] = f"bytes={start or 0}-{end - 1}"
-    elif start:
-        headers["Range"] = f"bytes={start}-"
+    headers = _range(start, end)
     timeout = patience.timeout
     await fs._set_session()
     response = await asyncio.wait_for(
@@ -205,7 +195,9 @@ async def _gcs(
                     "the manifest was built",
                     url=f"gs://{path}",
                 )
-            _gcs_error()(response.status, content, path)  # raises gcsfs's own error
+            from gcsfs.retry import validate_response  # noqa: PLC0415 (the 'gcs' extra)
+
+            validate_response(response.status, content, path)  # raises gcsfs's own error
         if patience.whole:
             data = await asyncio.wait_for(response.read(), timeout)
         else:
@@ -216,10 +208,14 @@ async def _gcs(
     return Body(bytes(data), (generation,) if generation else ())
 
 
-def _gcs_error() -> Callable[..., None]:
-    from gcsfs.retry import validate_response  # noqa: PLC0415 (the 'gcs' extra, present here)
-
-    return validate_response  # type: ignore[no-any-return]
+def _range(start: int | None, end: int | None) -> dict[str, str]:
+    """The HTTP ``Range`` header for ``[start, end)`` (a negative start: the last bytes), or
+    none for the whole body."""
+    if start is not None and start < 0:
+        return {"Range": f"bytes={start}"}
+    if end is not None:
+        return {"Range": f"bytes={start or 0}-{end - 1}"}
+    return {"Range": f"bytes={start}-"} if start else {}
 
 
 async def _next(body: Any, size: int) -> bytes:
