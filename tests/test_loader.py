@@ -307,6 +307,61 @@ def test_lookahead_fetches_ahead_of_the_workers(
     assert total.fetch.objects == 48  # each object fetched once: by the lookahead or a worker
 
 
+class Prefetching(Dataset[int]):
+    """A caching dataset's lookahead seam, recording what was asked for and when."""
+
+    cache = "a cache"
+
+    def __init__(self, n: int) -> None:
+        self.n, self.events = n, []  # type: list[tuple[str, list[int]]]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        self.events.append(("get", [index]))
+        return index
+
+    def prefetch(self, indices: list[int]) -> Any:
+        from concurrent.futures import Future
+
+        self.events.append(("prefetch", list(indices)))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+@pytest.mark.parametrize("mode", ["sampler", "per-sample", "batch_sampler"])
+def test_lookahead_rides_on_public_sampler_arguments(mode: str) -> None:
+    """The lookahead wraps the sampler (or a user's batch sampler) passed to torch, no private
+    hook: every batch is prefetched, ``depth`` batches before the loader reads it."""
+    data = Prefetching(24)
+    if mode == "batch_sampler":
+        batches = [list(range(i, i + 4)) for i in range(0, 24, 4)]
+        loader = fastload.DataLoader(data, batch_sampler=batches, num_workers=0, lookahead=2)
+    else:
+        size = 4 if mode == "sampler" else None
+        loader = fastload.DataLoader(data, batch_size=size, num_workers=0, lookahead=2)
+    assert sorted(torch.cat([torch.as_tensor(b).reshape(-1) for b in loader]).tolist()) == list(
+        range(24)
+    )
+    group = 1 if mode == "per-sample" else 4
+    asked = [tuple(i) for kind, i in data.events if kind == "prefetch"]
+    assert asked == [tuple(range(i, i + group)) for i in range(0, 24, group)]
+    first_get = next(n for n, (kind, _) in enumerate(data.events) if kind == "get")
+    assert first_get >= 2  # two batches (the depth) were asked for before the first read
+
+
+def test_the_samplers_own_methods_pass_through_the_lookahead() -> None:
+    data = Prefetching(16)
+    loader = fastload.DataLoader(data, batch_size=4, shuffle=True, num_workers=0)
+    loader.sampler.set_epoch(3)  # type: ignore[attr-defined]  # the DDP habit
+    assert loader.sampler.epoch == 3  # type: ignore[attr-defined]
+    first = [int(x) for b in loader for x in b]
+    assert loader.state_dict()["sampler"]["epoch"] == 3
+    assert sorted(first) == list(range(16)) and len(loader.sampler) == 16  # type: ignore[arg-type]
+
+
 def test_forked_workers_wait_for_a_running_listing_check() -> None:
     """A worker forked while the dataset's listing check talks to the store would copy its
     half-used connections (R3 hung so): fork waits for the check; forkserver need not."""

@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.utils.data as tud
-from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from fastload import _collate
+from fastload.device._batch import pinned
 from fastload.errors import ConfigError
 from fastload.ranks import rank_world
 from fastload.sampler import PermutationSampler, _splitmix64
@@ -135,6 +135,11 @@ class DataLoader(tud.DataLoader[Any]):
             if auto_collation
             else tud.default_convert
         )
+        prefetch = _prefetch(dataset, lookahead)
+        if prefetch is not None and batch_sampler is not None:
+            batch_sampler = _Lookahead(batch_sampler, prefetch, lookahead, group=0)
+        elif prefetch is not None and sampler is not None:
+            sampler = _Lookahead(sampler, prefetch, lookahead, group=batch_size or 1)
         if workers:
             collate = _WorkerCollate(collate)
             worker_init_fn = _WorkerInit(worker_init_fn)
@@ -164,27 +169,20 @@ class DataLoader(tud.DataLoader[Any]):
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
         self._reshuffle = reshuffle  # our own shuffled sampler: a new order each pass
-        self._lookaheads: weakref.WeakSet[_Lookahead] = weakref.WeakSet()
         self._pass_start: StageCounters | None = None  # counters when the pass began
         self._passes = 0
 
     # -- iteration -----------------------------------------------------------------------------
     @property
-    def _index_sampler(self) -> Any:
-        """What torch's iterators draw indices from, with the lookahead prefetch in front."""
-        base = super()._index_sampler
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if not (self.lookahead and self._auto_collation and callable(prefetch)):
-            return base
-        if getattr(self.dataset, "cache", None) is None:
-            return base
-        lookahead = _Lookahead(base, prefetch, self.lookahead)
-        self._lookaheads.add(lookahead)
-        return lookahead
+    def _order(self) -> Any:
+        """The sampler (or a user's batch sampler) the indices come from, lookahead unwrapped."""
+        custom = self.batch_sampler is not None and self.batch_size is None
+        source = self.batch_sampler if custom else self.sampler
+        return source.source if isinstance(source, _Lookahead) else source
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self._reshuffle and isinstance(self.sampler, PermutationSampler):
-            self.sampler._new_pass(advance=self._passes > 0)
+        if self._reshuffle and isinstance(self._order, PermutationSampler):
+            self._order._new_pass(advance=self._passes > 0)
         self._passes += 1
         self._consumed = 0
         self._pass_start = copy.deepcopy(self.stage_counters())
@@ -212,8 +210,9 @@ class DataLoader(tud.DataLoader[Any]):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
-            for lookahead in list(self._lookaheads):
-                lookahead.close()
+            for source in (self.sampler, self.batch_sampler):
+                if isinstance(source, _Lookahead):
+                    source.close()
 
     def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
         for item in batches:
@@ -241,8 +240,8 @@ class DataLoader(tud.DataLoader[Any]):
         current (or last) pass (``window="epoch"``) or since the loader was made (``"all"``).
         A :class:`fastload.DeviceLoader` over this loader shares its meter and this report."""
         this_pass = f"pass {self._passes}"
-        if getattr(self.sampler, "shuffle", False):  # the epoch names the order
-            this_pass += f" (epoch {getattr(self.sampler, 'epoch', '?')})"
+        if getattr(self._order, "shuffle", False):  # the epoch names the order
+            this_pass += f" (epoch {getattr(self._order, 'epoch', '?')})"
         return window_report(
             self.meter,
             self.stage_counters(),
@@ -283,13 +282,13 @@ class DataLoader(tud.DataLoader[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order (forwarded to the sampler)."""
-        set_epoch = getattr(self.sampler, "set_epoch", None)
+        set_epoch = getattr(self._order, "set_epoch", None)
         if set_epoch is None:
-            raise ConfigError(f"DataLoader.set_epoch: {self.sampler!r} has no set_epoch")
+            raise ConfigError(f"DataLoader.set_epoch: {self._order!r} has no set_epoch")
         set_epoch(epoch)
 
     def _resumable_sampler(self) -> Any:
-        sampler = self.sampler
+        sampler = self._order
         if self.batch_sampler is not None and self.batch_size is None:
             raise ConfigError(
                 "DataLoader: resuming needs batch_size and sampler (a custom batch_sampler's "
@@ -316,7 +315,7 @@ class _Counted:
         self.counters = counters
 
     def pin_memory(self) -> _Counted:  # called by torch's pin-memory thread
-        return _Counted(_pin(self.batch), self.counters)  # type: ignore[no-untyped-call]
+        return _Counted(pinned(self.batch), self.counters)
 
 
 def _worker_counters() -> StageCounters | None:
@@ -464,28 +463,76 @@ class _Background:
 atexit.register(_Background.close_all)
 
 
-class _Lookahead:
-    """Batches of indices as they come, asking ``prefetch`` for those ``depth`` batches ahead."""
+def _prefetch(dataset: object, depth: int) -> Callable[[Any], Future[None]] | None:
+    """The dataset's ``prefetch`` when a lookahead helps: it caches, and one is asked for."""
+    prefetch = getattr(dataset, "prefetch", None)
+    if depth and callable(prefetch) and getattr(dataset, "cache", None) is not None:
+        return prefetch  # type: ignore[no-any-return]
+    return None
 
-    def __init__(self, batches: Any, prefetch: Callable[[Any], Future[None]], depth: int) -> None:
-        self.batches, self.prefetch, self.depth = batches, prefetch, depth
-        self.started: deque[Future[None]] = deque()
+
+class _Lookahead(tud.Sampler[Any]):
+    """A sampler (``group``: indices per batch) or batch sampler (``group=0``) as it is, asking
+    ``prefetch`` for the batches ``depth`` batches ahead of what the loader has taken.
+
+    Attributes it does not have come from the wrapped ``source`` (``set_epoch``, ``epoch``...),
+    so ``loader.sampler.set_epoch(e)`` works as with torch's loader.
+    """
+
+    def __init__(
+        self, source: Any, prefetch: Callable[[Any], Future[None]], depth: int, group: int
+    ) -> None:
+        self.source, self.prefetch, self.depth, self.group = source, prefetch, depth, group
+        self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "source" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.source, name)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.source)
 
     def __iter__(self) -> Iterator[Any]:
+        one = _Pass(self.prefetch, self.depth)
+        self.passes.add(one)
+        return one.run(iter(self.source), self.group)
+
+    def close(self) -> None:
+        for one in list(self.passes):
+            one.close()
+
+
+class _Pass:
+    """One pass of a :class:`_Lookahead`: the prefetches it started."""
+
+    def __init__(self, prefetch: Callable[[Any], Future[None]], depth: int) -> None:
+        self.prefetch, self.depth = prefetch, depth
+        self.started: deque[Future[None]] = deque()
+
+    def _start(self, batch: Any) -> None:
+        self.started.append(self.prefetch(batch))  # as it enters the window
+        if len(self.started) > self.depth + 1:
+            self.started.popleft()
+
+    def run(self, items: Iterator[Any], group: int) -> Iterator[Any]:
         ahead: deque[Any] = deque()
+        batch: list[Any] = []
         try:
-            for batch in self.batches:
-                ahead.append(batch)
-                self.started.append(self.prefetch(batch))  # as it enters the window
-                if len(self.started) > self.depth + 1:
-                    self.started.popleft()
-                if len(ahead) > self.depth:
+            for item in items:
+                ahead.append(item)
+                if not group:
+                    self._start(item)
+                else:
+                    batch.append(item)
+                    if len(batch) == group:
+                        self._start(batch)
+                        batch = []
+                if len(ahead) > self.depth * max(group, 1):
                     yield ahead.popleft()
-            while ahead:
-                yield ahead.popleft()
+            if batch:
+                self._start(batch)
+            yield from ahead
         finally:
             self.close()
 

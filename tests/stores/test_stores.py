@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
+import time
 import pickle
 from typing import Any
 
@@ -18,7 +20,7 @@ from fastload.errors import (
     TransientStoreError,
 )
 from fastload.stores import SCHEMES, Kind, _Backend, classify, filesystem, parse_url, translate
-from fastload.testing import B2Server
+from fastload.testing import B2Server, FaultProxy, Faults
 from tests.conftest import BUCKET
 
 
@@ -161,6 +163,34 @@ def test_b2_through_plain_fsspec(b2: B2Server) -> None:
     assert fs.find(path) == []
     with pytest.raises(FileNotFoundError):
         fs.info(f"{path}/big.bin")
+
+
+def test_b2sdk_retries_stay_off(b2: B2Server) -> None:
+    """fastload overrides b2sdk's private ``B2Http._translate_and_retry`` to make one try per
+    call (its own retries are counted and bounded). If b2sdk renames or stops calling it, its
+    sleeping retries come back silently: this fails instead."""
+    from b2sdk.v2 import B2Http
+
+    from fastload.stores.b2 import _OneTryHttp
+
+    hook = inspect.getattr_static(B2Http, "_translate_and_retry")
+    assert isinstance(hook, classmethod)
+    assert list(inspect.signature(B2Http._translate_and_retry).parameters)[:2] == [
+        "fcn",
+        "try_count",
+    ]
+    with FaultProxy(b2.endpoint, flavor="b2") as proxy:
+        fs = fsspec.filesystem("b2", skip_instance_cache=True, **b2.storage_options(proxy.endpoint))
+        with fs.open(f"{BUCKET}/one-try/x.bin", "wb") as out:
+            out.write(b"x" * 100)
+        assert isinstance(fs._api.session.raw_api.b2_http, _OneTryHttp)
+        proxy.set_faults(Faults(error_503=1.0))
+        proxy.reset_counters()
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            fs.ls(f"{BUCKET}/one-try", refresh=True)  # a b2sdk API call (downloads are ours)
+        assert proxy.counters()["requests"] == 1  # b2sdk would try 5 times, sleeping 1 s, 1.5 s...
+        assert time.monotonic() - started < 5
 
 
 def test_b2_credentials_from_environment(b2: B2Server, monkeypatch: pytest.MonkeyPatch) -> None:

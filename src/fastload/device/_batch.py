@@ -10,7 +10,7 @@ import torch
 
 from fastload.errors import UnsupportedSampleError
 
-__all__ = ["map_tensors"]
+__all__ = ["map_tensors", "pinned"]
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), np.generic)
 
@@ -24,9 +24,19 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return _map(batch, fn, "batch")
 
 
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], where: str) -> Any:
+def pinned(batch: Any) -> Any:
+    """``batch`` with its tensors in pinned memory; anything else (arrays, custom objects) is
+    kept as it is, as torch's own pin-memory thread does."""
+    return _map(batch, torch.Tensor.pin_memory, "batch", lenient=True)
+
+
+def _map(
+    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], where: str, *, lenient: bool = False
+) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if lenient and not isinstance(value, (Mapping, list, tuple)):
+        return value
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.fields is not None:
             raise UnsupportedSampleError(f"{where} is a NumPy array of dtype {value.dtype}")
@@ -34,14 +44,19 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], where: str) -> 
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, Mapping):
-        items = {k: _map(v, fn, f"{where}[{k!r}]") for k, v in value.items()}
+        items = {k: _map(v, fn, f"{where}[{k!r}]", lenient=lenient) for k, v in value.items()}
         return items if type(value) is dict else _rebuild(value, items, where)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(
-            *(_map(v, fn, f"{where}.{f}") for f, v in zip(value._fields, value, strict=True))
+            *(
+                _map(v, fn, f"{where}.{f}", lenient=lenient)
+                for f, v in zip(value._fields, value, strict=True)
+            )
         )
     if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn, f"{where}[{i}]") for i, v in enumerate(value))
+        return type(value)(
+            _map(v, fn, f"{where}[{i}]", lenient=lenient) for i, v in enumerate(value)
+        )
     raise UnsupportedSampleError(
         f"DeviceLoader: {where} is a {type(value).__module__}.{type(value).__qualname__}; "
         "batches hold tensors, arrays, scalars, str, None and dicts/lists/tuples of them"
