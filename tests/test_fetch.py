@@ -201,3 +201,23 @@ def test_config_from_environment() -> None:
         FetchConfig.from_env({"FASTLOAD_FETCH_TIMEOUT": "soon"})
     with pytest.raises(ConfigError, match=r"FetchConfig\.timeout"):
         FetchConfig.from_env({"FASTLOAD_FETCH_TIMEOUT": "-1"})
+
+
+def test_shutdown_stops_the_pools_and_the_next_use_starts_afresh(
+    seaweed: S3Server, objects: dict[str, bytes], tmp_path: Path
+) -> None:
+    import threading
+
+    import fastload
+    from fastload.resources import _registries
+
+    (tmp_path / "local.bin").write_bytes(b"local")  # a sync filesystem: read in the pool
+    urls = [*objects, str(tmp_path / "local.bin")]
+    bodies = [*objects.values(), b"local"]
+    fetcher = Fetcher(storage_options=seaweed.storage_options())
+    assert fetcher.fetch(urls) == bodies
+    assert any(t.name.startswith("fastload-fetch") for t in threading.enumerate())
+    fastload.shutdown()
+    assert not any(t.name.startswith("fastload-fetch") for t in threading.enumerate())
+    assert all("0 items" in repr(registry) for registry in _registries)
+    assert fetcher.fetch(urls[-3:]) == bodies[-3:]  # created again on the next use

@@ -24,6 +24,7 @@ from fastload.errors import (
 from fastload.fetcher import Fetcher, Request, fetch
 from fastload.loader import DataLoader
 from fastload.manifest import Entry, Manifest, ManifestChanges
+from fastload.resources import shutdown
 from fastload.sampler import PermutationSampler, WeightedSampler
 from fastload.stall import diagnose
 from fastload.transforms import QuantileNormalize, Resize, Transform, compose, versioned
@@ -65,5 +66,6 @@ __all__ = [
     "compose",
     "diagnose",
     "fetch",
+    "shutdown",
     "versioned",
 ]

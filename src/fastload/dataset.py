@@ -33,13 +33,13 @@ from fastload.errors import (
 )
 from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest, ManifestChanges, current, save_listing, saved_or_listed
+from fastload.resources import PerProcess
 from fastload.sources import Sample, SampleSource, refreshed
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
 from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
 from fastload.sources.tar import TarShards
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
-from fastload.stores._perprocess import PerProcessCache
 from fastload.transforms import decoder, fingerprint, versioned
 
 __all__ = ["CachedDataset", "RemoteDataset"]
@@ -52,7 +52,7 @@ ShardFormat = Literal["tar", "parquet"]
 _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
 PREFETCH_BATCHES = 4
 """Batches :meth:`RemoteDataset.prefetch` works on at once (per process)."""
-_prefetchers: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
+_prefetchers: PerProcess[str, ThreadPoolExecutor] = PerProcess("prefetch pools")
 _WARM_STREAK = 8  # batches prefetch found cached before it checks only one in _WARM_PROBE
 _WARM_PROBE = 8
 

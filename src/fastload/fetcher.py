@@ -22,9 +22,9 @@ from fsspec import AbstractFileSystem
 
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectChangedError, TransientStoreError
+from fastload.resources import PerProcess
 from fastload.stats import FetchStats
 from fastload.stores import StoreURL, _fast, _reads, fast_reader, filesystem, parse_url, translate
-from fastload.stores._perprocess import PerProcessCache
 from fastload.stores._reads import Body, Patience
 from fastload.stores._retry import retrying
 
@@ -72,7 +72,7 @@ class _Target:
 # Blocking stores (b2://, file://) run on threads shared by every Fetcher in the process, so
 # their clients' per-thread connections live as long as the process instead of leaking with
 # short-lived threads.
-_pools: PerProcessCache[int, ThreadPoolExecutor] = PerProcessCache()
+_pools: PerProcess[int, ThreadPoolExecutor] = PerProcess("fetch pools")
 
 
 def _as_request(item: str | Request) -> Request:

@@ -41,7 +41,7 @@ from fastload._extras import import_extra
 from fastload.cache._locks import private_dirs
 from fastload.cache._tree import Leaf, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
-from fastload.stores._perprocess import PerProcessCache
+from fastload.resources import PerProcess
 
 __all__ = ["FORMATS", "Format", "ZarrArray"]
 
@@ -305,7 +305,7 @@ _ZARR_TYPES = {
         "float16", "float32", "float64", "complex64", "complex128",
     )
 }  # fmt: skip
-_pools: PerProcessCache[str, ThreadPoolExecutor] = PerProcessCache()
+_pools: PerProcess[str, ThreadPoolExecutor] = PerProcess("zarr pools")
 _scratch = threading.local()
 
 

@@ -18,9 +18,9 @@ from fsspec import AbstractFileSystem
 
 from fastload._extras import import_extra
 from fastload.errors import ConfigError
+from fastload.resources import PerProcess
 from fastload.stores import _fast
 from fastload.stores._errors import Kind, classify, translate
-from fastload.stores._perprocess import PerProcessCache
 
 __all__ = [
     "SCHEMES",
@@ -99,7 +99,7 @@ def parse_url(url: str | os.PathLike[str]) -> StoreURL:
     return StoreURL(scheme, path)
 
 
-_filesystems: PerProcessCache[tuple[str, str], AbstractFileSystem] = PerProcessCache()
+_filesystems: PerProcess[tuple[str, str], AbstractFileSystem] = PerProcess("filesystems")
 
 
 def _options_key(options: Mapping[str, Any]) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from fastload.stores._perprocess import PerProcessCache
+from fastload.resources import PerProcess
 from fastload.stores._reads import Body, Patience, progressing
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ _OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_k
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout"}
 
-_stores: PerProcessCache[tuple[str, str], Any] = PerProcessCache()
+_stores: PerProcess[tuple[str, str], Any] = PerProcess("obstore clients")
 _runtime = {"started": False, "inherited": False}
 
 
