@@ -134,10 +134,10 @@ def _per_sample(
 
 def _shards(root: str, options: dict[str, Any]) -> dict[str, Any]:
     dataset = fastload.RemoteDataset(root, shards="parquet", storage_options=options)
-    before = dataset.fetcher.stats.requests  # the footers
+    before = dataset.fetcher.counters.requests  # the footers
     loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, collate_fn=_rows)
     rate, count = _rate(loader)
-    stats = loader.stage_counters()
+    stats = loader.counters
     assert stats is not None and isinstance(loader.sampler, fastload.PermutationSampler)
     locality = block_locality(loader.sampler, BATCH, batches=len(dataset) // BATCH)
     return {

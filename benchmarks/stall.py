@@ -30,7 +30,7 @@ def _loop(loader: Any, step: float) -> dict[str, Any]:
     device = DeviceLoader(loader, "cpu")
     for _ in device:
         time.sleep(step)
-    return device.report()
+    return device.report().to_dict()
 
 
 def _row(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:

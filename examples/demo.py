@@ -183,7 +183,7 @@ def fastload_rows(
         for name in ("cold (cache filling)", "warm"):  # one pass each: the report's window
             device = fastload.DeviceLoader(loader, "cpu")
             row = train(f"fastload {name}, {args.workers} workers", device, len(loader))
-            results.append(dataclasses.replace(row, verdict=device.report()["verdict"]))
+            results.append(dataclasses.replace(row, verdict=device.report().verdict))
     return results
 
 

@@ -59,7 +59,7 @@ def test_skip_leaves_out_a_changed_object_and_names_it(
     ds = RemoteDataset(manifest, storage_options=options, on_change="skip")
     batch = ds.__getitems__(list(range(8)))
     assert b"\xee" * 1000 not in batch
-    assert ds.stats()["skipped_keys"] == [f"{root}/{CHANGED}"]
+    assert ds.stats()["dataset"]["skipped_keys"] == [f"{root}/{CHANGED}"]
 
 
 def test_refresh_reads_the_new_version_and_caches_it_under_that_version(
@@ -76,11 +76,11 @@ def test_refresh_reads_the_new_version_and_caches_it_under_that_version(
     cold = RemoteDataset(manifest, storage_options=options, cache=cache, on_change="refresh")
     cold.cache = Cache(tmp_path / "other-cache")
     assert cold[3] == b"\xee" * 1000
-    assert cold.stats()["refreshed"] == 1
-    requests = cold.fetcher.stats.requests
+    assert cold.stats()["dataset"]["refreshed"] == 1
+    requests = cold.fetcher.counters.requests
     assert cold[3] == b"\xee" * 1000  # now from the cache, under the new version
-    assert cold.fetcher.stats.requests == requests
-    assert cold.stats()["refreshed"] == 1
+    assert cold.fetcher.counters.requests == requests
+    assert cold.stats()["dataset"]["refreshed"] == 1
 
 
 def test_the_same_cache_never_serves_new_bytes_under_the_old_version(

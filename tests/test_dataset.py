@@ -66,7 +66,7 @@ def test_a_dataloader_epoch_over_s3_fetches_each_batch_concurrently(
     seen = [int(v) for batch in loader for v in batch[:, 0, 0]]
     assert sorted(seen) == list(range(40))
     stats = dataset.stats()
-    assert stats["fetch"]["objects"] == 40 and stats["samples"] == 40
+    assert stats["fetch"]["objects"] == 40 and stats["dataset"]["samples"] == 40
     assert stats["fetch"]["requests"] == 40  # one GET per object, five batched calls
 
 
@@ -89,7 +89,7 @@ def test_a_warm_epoch_reads_only_the_cache(
     loader = DataLoader(dataset, batch_size=8, num_workers=2)
     first = torch.cat([b for b in loader])
     assert len(cache) == 40
-    dataset.fetcher.stats.requests = 0
+    dataset.fetcher.counters.requests = 0
     second = torch.cat([b for b in DataLoader(dataset, batch_size=8)])
     assert torch.equal(first, second)
     assert dataset.stats()["fetch"]["requests"] == 0 and cache.counters.hits == 40
@@ -154,7 +154,7 @@ def test_skip_keeps_batches_whole_and_names_each_bad_key_once(
         batch = next(iter(DataLoader(dataset, batch_size=6)))
         assert batch.shape == (6, 4, 5)
         assert set(batch[:, 0, 0].tolist()) <= {0.0, 1.0, 3.0}
-    stats = dataset.stats()
+    stats = dataset.stats()["dataset"]
     assert stats["skipped"] == 6 and len(stats["skipped_keys"]) == 3
     assert {k.rsplit("/", 1)[1] for k in stats["skipped_keys"]} == {
         "0002.npy",
@@ -215,9 +215,9 @@ def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp
     cache = Cache(tmp_path, format="npy")
     dataset = RemoteDataset(root, decode="npy", cache=cache, storage_options=options)
     dataset.prefetch(range(10, 20)).result(timeout=60)
-    requests = dataset.fetcher.stats.requests
+    requests = dataset.fetcher.counters.requests
     assert [value_of(dataset[i]) for i in range(10, 20)] == list(range(10, 20))
-    assert dataset.fetcher.stats.requests == requests  # all hits
+    assert dataset.fetcher.counters.requests == requests  # all hits
     with pytest.raises(ConfigError, match="needs a cache"):
         RemoteDataset(root, decode="npy", storage_options=options).prefetch([0])
 
@@ -317,7 +317,7 @@ def test_cached_dataset_skips_by_key_limits_and_augments_after_the_cache(tmp_pat
     )
     assert len(lenient) == 8
     batch = lenient.__getitems__([4, 5, 6])
-    assert len(batch) == 3 and lenient.stats()["skipped_keys"] == ["img-5"]
+    assert len(batch) == 3 and lenient.stats()["dataset"]["skipped_keys"] == ["img-5"]
     assert len(lenient.cache) == 2  # nothing cached for img-5
     first, second = lenient[4]["x"], lenient[4]["x"]
     assert not torch.equal(first, second)  # augmented on every read
@@ -366,7 +366,7 @@ def test_remote_dataset_augments_after_the_cache(
     )
     a, b = dataset[3], dataset[3]
     assert not np.array_equal(a, b) and np.array_equal(np.floor(a), np.full((4, 5), 6.0))
-    assert dataset.fetcher.stats.objects == 1  # the second read came from the cache
+    assert dataset.fetcher.counters.objects == 1  # the second read came from the cache
 
 
 @pytest.mark.parametrize("fmt", ["pt", "npy", "zarr"])

@@ -22,6 +22,7 @@ from fastload import (
     RemoteDataset,
     UnsupportedSampleError,
 )
+from fastload.stall import StallReport
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
@@ -45,7 +46,7 @@ class Batches:
             yield {"x": torch.full((self.size, 3, 4, 4), float(i)), "y": torch.arange(self.size)}
 
 
-def run(loader: DeviceLoader, step: float) -> dict[str, Any]:
+def run(loader: DeviceLoader, step: float) -> StallReport:
     for _ in loader:
         time.sleep(step)
     return loader.report()
@@ -91,14 +92,14 @@ def test_bad_input_is_named() -> None:
 
 def test_the_verdict_flips_between_a_slow_loader_and_a_slow_step() -> None:
     slow_loader = run(DeviceLoader(Batches(delay=0.03), "cpu"), step=0.0)
-    assert slow_loader["bound"] == "data" and slow_loader["wait_share"] > 0.8
-    assert "no stage counters" in slow_loader["cause"]
+    assert slow_loader.bound == "data" and slow_loader.wait_share > 0.8
+    assert "no stage counters" in slow_loader.cause
     slow_step = run(DeviceLoader(Batches(delay=0.0), "cpu"), step=0.03)
-    assert slow_step["bound"] == "compute" and slow_step["wait_share"] < 0.1
-    assert slow_step["samples"] == 48 and slow_step["steps"] == 12
-    assert 0.025 < slow_step["step_p50_ms"] / 1e3 < 0.1
-    assert "compute-bound" in slow_step["verdict"]
-    assert run(DeviceLoader([], "cpu"), step=0)["bound"] == "unknown"
+    assert slow_step.bound == "compute" and slow_step.wait_share < 0.1
+    assert slow_step.samples == 48 and slow_step.steps == 12
+    assert 0.025 < slow_step.step_p50_ms / 1e3 < 0.1
+    assert "compute-bound" in slow_step.verdict
+    assert run(DeviceLoader([], "cpu"), step=0).bound == "unknown"
 
 
 def test_hooks_get_metrics_every_n_steps_and_cannot_break_training() -> None:
@@ -182,11 +183,11 @@ def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
         loader = fastload.DataLoader(dataset, batch_size=8, num_workers=0, lookahead=0)
         cold = run(DeviceLoader(loader, "cpu"), step=0.005)
         warm = run(DeviceLoader(loader, "cpu"), step=0.02)
-    assert cold["bound"] == "data", cold["verdict"]
-    assert "cache misses: 100%" in cold["cause"] and "fetch latency p50" in cold["cause"]
-    assert cold["fetch"]["objects"] == 64
-    assert warm["bound"] == "compute", warm["verdict"]
-    assert warm["cache"]["hits"] == 64
+    assert cold.bound == "data", cold.verdict
+    assert "cache misses: 100%" in cold.cause and "fetch latency p50" in cold.cause
+    assert cold.counters.fetch.objects == 64
+    assert warm.bound == "compute", warm.verdict
+    assert warm.counters.cache.hits == 64
 
 
 class SlowStart(Batches):
@@ -211,11 +212,11 @@ def test_a_loop_that_waited_for_its_first_batch_is_data_bound_and_says_so() -> N
         asked = time.perf_counter()
     wall_share = waited / (time.perf_counter() - started)
     report = loader.report()
-    assert report["bound"] == "data", report["verdict"]
-    assert "the first batch" in report["cause"] and report["first_batch_s"] >= 1.0
+    assert report.bound == "data", report.verdict
+    assert "the first batch" in report.cause and report.first_batch_s >= 1.0
     # the figure agrees with the loop's own wall-clock measure (what make demo prints)
-    assert abs(report["wait_share"] - wall_share) < 0.05, (report["wait_share"], wall_share)
-    assert report["steady_wait_share"] < 0.1
+    assert abs(report.wait_share - wall_share) < 0.05, (report.wait_share, wall_share)
+    assert report.steady_wait_share < 0.1
 
 
 def test_one_meter_for_a_device_loader_over_a_fastload_loader() -> None:
@@ -224,10 +225,10 @@ def test_one_meter_for_a_device_loader_over_a_fastload_loader() -> None:
     device = DeviceLoader(loader, "cpu")
     assert device.meter is loader.meter
     run(device, step=0.002)
-    assert device.report() == loader.report()
+    assert device.report().to_dict() == loader.report().to_dict()
     assert loader.meter.stats.samples == 40  # counted once, not by both loaders
     run(device, step=0.002)
-    assert device.report("all")["passes"] == 2 and device.report()["window"] == "pass 2"
+    assert device.report("all").passes == 2 and device.report().window == "pass 2"
 
 
 class SerialReads(torch.utils.data.Dataset[bytes]):
@@ -260,10 +261,10 @@ def test_cached_dataset_time_is_blamed_on_the_wrapped_dataset_not_decoding(
         loader = fastload.DataLoader(dataset, batch_size=2, num_workers=0, lookahead=0)
         cold = run(DeviceLoader(loader, "cpu"), step=0.001)
         warm = run(DeviceLoader(loader, "cpu"), step=0.02)
-    assert cold["bound"] == "data", cold["verdict"]
-    assert "wrapped dataset" in cold["cause"] and "decode" not in cold["cause"], cold["cause"]
-    assert warm["bound"] == "compute", warm["verdict"]
-    assert warm["cache"]["misses"] == 0 and warm["cache"]["hits"] == 8
+    assert cold.bound == "data", cold.verdict
+    assert "wrapped dataset" in cold.cause and "decode" not in cold.cause, cold.cause
+    assert warm.bound == "compute", warm.verdict
+    assert warm.counters.cache.misses == 0 and warm.counters.cache.hits == 8
 
 
 # --- CUDA (run on a GPU machine; skipped elsewhere) --------------------------------------------
@@ -278,7 +279,7 @@ def test_cuda_batches_arrive_intact_under_a_busy_compute_stream() -> None:
         assert batch["x"].device.type == "cuda" and batch["x"].dtype == torch.float16
         assert batch["y"].dtype == torch.int64
         assert bool((batch["x"] == i).all())  # never read before its copy finished
-    assert loader.report()["steps"] == 40
+    assert loader.report().steps == 40
 
 
 @pytest.mark.cuda
@@ -294,4 +295,4 @@ def test_cuda_copies_from_pinned_memory_overlap_compute() -> None:
             weights = weights @ weights / 4096
         torch.cuda.synchronize()
     report = loader.report()
-    assert report["bound"] == "compute", report["verdict"]
+    assert report.bound == "compute", report.verdict

@@ -47,8 +47,8 @@ def test_retries_run_out_into_a_named_transient_error(
     with pytest.raises(TransientStoreError) as info:
         fetcher.fetch([url])
     assert info.value.url == url
-    assert fetcher.stats.retries == 2
-    assert fetcher.stats.failures == 1
+    assert fetcher.counters.retries == 2
+    assert fetcher.counters.failures == 1
     assert proxy.counters()["error_503"] >= 3  # s3fs adds its own retries under ours
 
 
@@ -63,7 +63,7 @@ def test_a_stalled_request_times_out_and_is_retried(
     )
     with pytest.raises(TransientStoreError, match=r"nothing received for 0\.3 s"):
         fetcher.fetch([url])
-    assert fetcher.stats.requests == 2
+    assert fetcher.counters.requests == 2
 
 
 def test_hedged_requests_beat_the_slow_tail(
@@ -73,7 +73,7 @@ def test_hedged_requests_beat_the_slow_tail(
     config = FetchConfig(hedge_after=0.25, timeout=30)
     fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), config)
     assert fetcher.fetch(list(objects)) == list(objects.values())
-    stats = fetcher.stats
+    stats = fetcher.counters
     assert stats.hedges >= 1
     assert stats.hedge_wins >= 1
     assert stats.retries == 0
@@ -97,7 +97,7 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
         fetcher.fetch([Request(url, 0, 10)])  # clients made and signed in: not what is timed
         proxy.set_faults(Faults(bandwidth=1_000_000, methods=("GET",)))
         assert fetcher.fetch([Request(url, size=len(body))]) == [body]
-        assert fetcher.stats.retries == 0
+        assert fetcher.counters.retries == 0
         proxy.set_faults(Faults(stall=1.0, stall_seconds=8.0, methods=("GET",)))
         with pytest.raises(TransientStoreError, match=r"nothing received for 3 s"):
             fetcher.fetch([Request(url, size=len(body))])
@@ -109,7 +109,7 @@ def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:
     fetcher = Fetcher(config=FetchConfig(retries=1, outage_budget=0, backoff=0.001))
     with pytest.raises(TransientStoreError, match=r"truncated body \(5 of 9 bytes\)"):
         fetcher.fetch([Request(str(path), size=9)])
-    assert fetcher.stats.retries == 1
+    assert fetcher.counters.retries == 1
     assert fetcher.fetch([Request(str(path), 1, 3, size=5)]) == [b"23"]
 
 
@@ -125,19 +125,19 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
     assert out[:5] == [b"12345"] * 5
     assert isinstance(out[5], TransientStoreError)
     assert "quarantined for 60 s" in str(out[5]) and "truncated body" in str(out[5])
-    assert fetcher.stats.quarantined == 1 and fetcher.stats.outage_retries == 0
-    requests = fetcher.stats.requests
+    assert fetcher.counters.quarantined == 1 and fetcher.counters.outage_retries == 0
+    requests = fetcher.counters.requests
     with pytest.raises(TransientStoreError, match=r"quarantined.*3\.bin"):
         fetcher.fetch([bad])
-    assert fetcher.stats.requests == requests  # no request while it is in quarantine
+    assert fetcher.counters.requests == requests  # no request while it is in quarantine
     alone = Fetcher(config=FetchConfig(retries=2, outage_budget=0.5, backoff=0.05))
     with pytest.raises(TransientStoreError, match=r"truncated body"):
         alone.fetch([bad])  # the store never answered: no outage to wait out
-    assert alone.stats.outage_retries == 0 and alone.stats.retries == 2
+    assert alone.counters.outage_retries == 0 and alone.counters.retries == 2
     alone.fetch(good)
     with pytest.raises(TransientStoreError, match=r"truncated body"):
         alone.fetch([bad])  # nothing else answers meanwhile: waited for, 0.5 s, as an outage
-    assert alone.stats.outage_retries > 0 and alone.stats.quarantined == 0
+    assert alone.counters.outage_retries > 0 and alone.counters.quarantined == 0
 
 
 def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_three_stalls(
@@ -159,7 +159,7 @@ def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_three_st
     assert out[:4] == [b"12345"] * 4
     assert isinstance(out[4], TransientStoreError) and "quarantined" in str(out[4])
     assert "nothing received for 0.3 s" in str(out[4])
-    assert fetcher.stats.requests == 4 + 3 and fetcher.stats.quarantined == 1
+    assert fetcher.counters.requests == 4 + 3 and fetcher.counters.quarantined == 1
 
 
 def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path) -> None:
@@ -176,7 +176,7 @@ def test_stats_snapshot_reports_latency_percentiles(tmp_path: Path) -> None:
     (tmp_path / "a").write_bytes(b"a")
     fetcher = Fetcher()
     fetcher.fetch([str(tmp_path / "a")] * 10)
-    snap = fetcher.stats.snapshot()
+    snap = fetcher.stats()
     assert snap["objects"] == 10
     assert snap["bytes"] == 10
     assert 0 < snap["latency_p50_ms"] <= snap["latency_p99_ms"]

@@ -73,17 +73,17 @@ def test_channels_of_a_field_are_one_sample(
         assert got.dtype == np.uint16 and np.array_equal(got[..., 0], channel(field, c))
     assert label == 1  # A02
     # a batch fetches all members of all its samples at once, then never again
-    before = dataset.fetcher.stats.objects
+    before = dataset.fetcher.counters.objects
     batch = dataset.__getitems__([0, 1, 2, 3])
-    assert len(batch) == 4 and dataset.fetcher.stats.objects - before == 4 * CHANNELS
+    assert len(batch) == 4 and dataset.fetcher.counters.objects - before == 4 * CHANNELS
     loader = fastload.DataLoader(
         dataset, batch_size=4, shuffle=True, num_workers=0, collate_fn=lambda b: b
     )
     labels = sorted(label for batch in loader for _, label in batch)
     assert labels == sorted(FIELDS.index(f) // 4 for f in FIELDS)  # each field once
-    requests = dataset.fetcher.stats.requests
+    requests = dataset.fetcher.counters.requests
     assert sum(len(b) for b in loader) == len(FIELDS)  # a warm epoch: all from the cache
-    assert dataset.fetcher.stats.requests == requests
+    assert dataset.fetcher.counters.requests == requests
 
 
 def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> None:
@@ -125,7 +125,7 @@ def test_a_broken_member_skips_its_whole_group_by_name(b2: B2Server, tmp_path: A
     )
     batch = lenient.__getitems__(list(range(len(FIELDS))))
     assert len(batch) == len(FIELDS)  # the batch keeps its size
-    assert lenient.stats()["skipped_keys"] == [f"{root}/{FIELDS[7]}"]
+    assert lenient.stats()["dataset"]["skipped_keys"] == [f"{root}/{FIELDS[7]}"]
     # a member that disappears after listing: the group fails as not found, naming both
     fs = filesystem(root, options)
     fs.rm_file(f"{fs._strip_protocol(root)}/{FIELDS[0]}_ch1.tiff")
@@ -233,7 +233,7 @@ def test_warm_cache_cli_with_groups_then_training_reads_only_the_cache(
         storage_options=options,
     )
     assert len(list(fastload.DataLoader(dataset, batch_size=3, collate_fn=list))) == 4
-    assert dataset.fetcher.stats.requests == 0
+    assert dataset.fetcher.counters.requests == 0
 
 
 def test_warm_cache_cli_warms_a_cached_dataset_from_a_module_beside_the_user(

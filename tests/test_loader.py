@@ -270,22 +270,22 @@ def test_worker_counters_reach_the_report(
     )
     loader = fastload.DataLoader(dataset, batch_size=8, num_workers=2, lookahead=0)
     assert len(torch.cat(list(loader))) == 48
-    cold = loader.stage_counters()
+    cold = loader.counters
     assert cold is not None
     assert cold.fetch.objects == 48 and cold.cache.misses == 48 and cold.dataset.samples == 48
-    assert dataset.stage_counters().fetch.objects == 0  # all of it happened in the workers
+    assert dataset.counters.fetch.objects == 0  # all of it happened in the workers
     list(loader)  # a warm epoch through the same (persistent) workers
-    warm = loader.stage_counters()
+    warm = loader.counters
     assert warm is not None and warm.cache.hits == 48 and warm.fetch.objects == 48
     # the report covers one window: this (warm) pass, or everything since the start
     epoch = loader.report()
-    assert epoch["window"] == "pass 2" and epoch["samples"] == 48
-    assert epoch["cache"]["hits"] == 48 and epoch["cache"]["misses"] == 0
-    assert epoch["fetch"]["requests"] == 0 and "cache misses" not in str(epoch["cause"])
+    assert epoch.window == "pass 2" and epoch.samples == 48
+    assert epoch.counters.cache.hits == 48 and epoch.counters.cache.misses == 0
+    assert epoch.counters.fetch.requests == 0 and "cache misses" not in str(epoch.cause)
     total = loader.report("all")
-    assert total["samples"] == 96 and total["passes"] == 2
-    assert total["cache"]["hits"] == 48 and total["cache"]["misses"] == 48
-    assert epoch["verdict"].startswith("pass 2") and total["verdict"].startswith("since start")
+    assert total.samples == 96 and total.passes == 2
+    assert total.counters.cache.hits == 48 and total.counters.cache.misses == 48
+    assert epoch.verdict.startswith("pass 2") and total.verdict.startswith("since start")
 
 
 def test_lookahead_fetches_ahead_of_the_workers(
@@ -300,8 +300,8 @@ def test_lookahead_fetches_ahead_of_the_workers(
         loader = fastload.DataLoader(dataset, batch_size=4, num_workers=1, lookahead=4)
         values = sorted(int(b[i, 0, 0]) for b in loader for i in range(len(b)))
     assert values == list(range(48))
-    ahead = dataset.stage_counters().fetch.objects  # fetched by the main process's lookahead
-    total = loader.stage_counters()
+    ahead = dataset.counters.fetch.objects  # fetched by the main process's lookahead
+    total = loader.counters
     assert total is not None
     assert 0 < ahead <= 48  # the lookahead may win every race: the workers then only hit
     assert total.fetch.objects == 48  # each object fetched once: by the lookahead or a worker

@@ -265,7 +265,7 @@ if __name__ == "__main__":
     loader = fastload.DataLoader(dataset, batch_size=10, shuffle=True, num_workers=2)
     bad = sum(int((b[i] != b[i, 0, 0]).any()) for b in loader for i in range(len(b)))
     seen = sorted(int(b[i, 0, 0]) for b in loader for i in range(len(b)))
-    counters = loader.stage_counters()
+    counters = loader.counters
     print(json.dumps({"bad": bad, "seen": seen, "fetched": counters.fetch.objects}))
 """
 
@@ -342,7 +342,7 @@ def test_r6_secrets_never_appear_in_logs_errors_reprs_manifests_or_cli_output(
     dataset = RemoteDataset(manifest, decode="raw", storage_options=good)
     loader = fastload.DataLoader(dataset, batch_size=5, collate_fn=list)
     list(loader)
-    texts += [repr(dataset), repr(loader), json.dumps(loader.report(), default=str)]
+    texts += [repr(dataset), repr(loader), json.dumps(loader.report().to_dict(), default=str)]
     for attempt in (
         lambda: RemoteDataset(manifest, decode="raw", storage_options=wrong)[0],
         lambda: Manifest.build(root, storage_options=wrong),

@@ -82,7 +82,7 @@ def test_tar_shards_read_in_place_one_read_per_chunk(
     )
     assert len(dataset) == SHARDS * PER_SHARD
     assert dataset.blocks is not None and 2 * SHARDS <= len(dataset.blocks) < len(dataset)
-    before = dataset.fetcher.stats.requests  # those that read the headers
+    before = dataset.fetcher.counters.requests  # those that read the headers
     sample = dataset[37]
     assert sample["meta.json"] == {"n": 37} and sample["cls"] == 37 % 3
     assert sample["npy"].dtype == np.uint16 and np.array_equal(sample["npy"], image(37))
@@ -93,13 +93,13 @@ def test_tar_shards_read_in_place_one_read_per_chunk(
     assert sorted(seen) == list(range(len(dataset)))  # every sample once
     assert seen != sorted(seen)  # and shuffled
     unseeded = len(dataset.blocks) - dataset.source.reader.seeded  # type: ignore[attr-defined]
-    assert dataset.fetcher.stats.requests - before == unseeded  # one read a chunk, at most
+    assert dataset.fetcher.counters.requests - before == unseeded  # one read a chunk, at most
 
     cache = Cache(tmp_path / "c", format="npy")
     first = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
     again = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
-    assert first.fetcher.stats.requests >= SHARDS  # the headers were read once ...
-    assert again.fetcher.stats.requests == 0  # ... and the index came from the cache
+    assert first.fetcher.counters.requests >= SHARDS  # the headers were read once ...
+    assert again.fetcher.counters.requests == 0  # ... and the index came from the cache
     assert again[5]["cls"] == b"2"
 
 
@@ -123,9 +123,9 @@ def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> N
         return [json.loads(item["meta.json"])["n"] for batch in batches for item in batch]
 
     workers = loader(2)
-    before = workers.dataset.fetcher.stats.requests  # type: ignore[attr-defined]
+    before = workers.dataset.fetcher.counters.requests  # type: ignore[attr-defined]
     assert sorted(numbers(workers)) == list(range(SHARDS * PER_SHARD))
-    counters = workers.stage_counters()
+    counters = workers.counters
     assert counters is not None  # the workers shared their chunks: each was read once
     assert counters.fetch.requests - before == len(workers.dataset.blocks)  # type: ignore[attr-defined]
     first = loader(0)
@@ -206,14 +206,14 @@ def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) 
     assert np.array_equal(row["pulses"], np.full(3 + 1234 % 5, 1234, np.float32))
     assert dataset.source[1234].url.endswith("batch_2.parquet#row=234")
 
-    before = dataset.fetcher.stats.requests
+    before = dataset.fetcher.counters.requests
     sampler = PermutationSampler(len(dataset), blocks=dataset.blocks, window=2, seed=3)
     locality = block_locality(sampler, batch_size=64)
     assert locality["blocks_per_batch"] <= 3
     loader = fastload.DataLoader(dataset, batch_size=64, shuffle=True, collate_fn=list)
     seen = [int(r["event_id"]) for batch in loader for r in batch]
     assert sorted(seen) == list(range(1500))
-    assert dataset.fetcher.stats.requests - before == 9 - 1  # row group 0 of batch_2 was read
+    assert dataset.fetcher.counters.requests - before == 9 - 1  # row group 0 of batch_2 was read
 
 
 def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
@@ -284,7 +284,7 @@ def test_warm_cache_cli_splits_tar_shards_by_chunk_then_training_reads_only_the_
         for item in batch
     ]
     assert sorted(json.loads(m)["n"] for m in seen) == list(range(SHARDS * PER_SHARD))
-    assert dataset.fetcher.stats.requests == 0  # the index and every sample came from the cache
+    assert dataset.fetcher.counters.requests == 0  # the index and every sample came from the cache
     bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
     assert bad.returncode != 0 and "--shards must be tar or parquet" in bad.stderr
 
@@ -353,7 +353,7 @@ def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
             shards="tar",
             storage_options=options,
         )
-        stats = dataset.fetcher.stats
+        stats = dataset.fetcher.counters
         assert stats.requests <= most_requests and stats.bytes <= most_bytes, (name, stats)
     assert len(dataset) == 40
 
@@ -369,7 +369,7 @@ def test_a_cold_epoch_over_small_members_reads_each_byte_once(seaweed: S3Server)
     seen = sorted(item["meta.json"]["n"] for batch in loader for item in batch)
     assert seen == list(range(len(dataset)))
     assert dataset.source.reader.seeded == len(dataset.blocks)  # type: ignore[attr-defined]
-    assert dataset.fetcher.stats.bytes <= shard_bytes * 1.05  # not twice
+    assert dataset.fetcher.counters.bytes <= shard_bytes * 1.05  # not twice
     tight = RemoteDataset(  # no memory to spare: indexing keeps nothing, chunks are read
         f"{root}/train",
         shards="tar",

@@ -69,8 +69,8 @@ class _Batched(Dataset[Any]):
     on_error: OnError
     on_change: OnChange | None = None  # RemoteDataset's: changed objects, apart from on_error
     augment: Callable[[Any], Any] | None
-    counters: DatasetStats
-    _stages: StageCounters
+    counters: StageCounters
+    """This process's live counters: ``dataset``, ``fetch`` and ``cache`` (see :meth:`stats`)."""
     _length: int
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
@@ -95,7 +95,7 @@ class _Batched(Dataset[Any]):
         items = self._items(positions)
         if any(isinstance(item, BaseException) for item in items):
             items = self._settle(positions, items)
-        self.counters.samples += len(items)
+        self.counters.dataset.samples += len(items)
         return items if self.augment is None else [self._augmented(item) for item in items]
 
     def _augmented(self, item: Any) -> Any:
@@ -145,9 +145,9 @@ class _Batched(Dataset[Any]):
 
     def _skip(self, error: BaseException) -> None:
         key = str(getattr(error, "url", "") or error)
-        self.counters.skipped += 1
-        if key not in self.counters.skipped_keys:
-            self.counters.skipped_keys.append(key)
+        self.counters.dataset.skipped += 1
+        if key not in self.counters.dataset.skipped_keys:
+            self.counters.dataset.skipped_keys.append(key)
             log.warning("skipping a sample: %s", error)
 
     def _stand_ins(self, index: int) -> list[Any]:
@@ -160,7 +160,7 @@ class _Batched(Dataset[Any]):
                 return good
         raise ConfigError(
             f"on_error='skip' found no readable sample near index {index} after "
-            f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.skipped_keys[:5]}"
+            f"{_REPLACE_ROUNDS * 4} tries; skipped so far: {self.counters.dataset.skipped_keys[:5]}"
         )
 
     def warm(self, indices: Sequence[int]) -> list[tuple[str, BaseException]]:
@@ -205,9 +205,13 @@ class _Batched(Dataset[Any]):
 
         return executor.submit(run)
 
-    def stage_counters(self) -> StageCounters:
-        """This process's live counters (what :mod:`fastload.stall` reports from)."""
-        return self._stages
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of this process's counters (samples, skips, preprocessing time, fetch,
+        cache), with the cache's bytes on disk."""
+        out: dict[str, Any] = self.counters.snapshot()
+        if self.cache is not None:
+            out["cache"] = self.cache.stats()
+        return out
 
 
 class RemoteDataset(_Batched):
@@ -245,9 +249,9 @@ class RemoteDataset(_Batched):
     on_change: what to do with an object replaced since the manifest was listed (its bytes are
         never used under the old version): ``"raise"`` :class:`fastload.ObjectChangedError`,
         ``"skip"`` it as ``on_error="skip"`` does, or ``"refresh"``: read its current version
-        (one stat) and cache it under that, counted in ``stats()["refreshed"]``; shards cannot
-        be refreshed mid-epoch (their samples would move): list them again. Default: as
-        ``on_error``.
+        (one stat) and cache it under that, counted in ``counters.dataset.refreshed``;
+        shards cannot be refreshed mid-epoch (their samples would move): list them again.
+        Default: as ``on_error``.
     limit: use only the first ``limit`` samples (a quick debug run).
     manifest_path: where the listing of a URL ``source`` is saved (default: in ``cache``'s
         folder; with neither, the URL is listed at every start). With ``reuse_listing`` (the
@@ -351,9 +355,8 @@ class RemoteDataset(_Batched):
         self._storage_options = dict(storage_options or {})
         self._fresh: dict[int, Sample] = {}  # samples refreshed to their objects' new versions
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
-        self.counters = DatasetStats()
-        self._stages = StageCounters(
-            self.counters, self.fetcher.stats, CacheStats() if cache is None else cache.counters
+        self.counters = StageCounters(
+            DatasetStats(), self.fetcher.counters, CacheStats() if cache is None else cache.counters
         )
 
     @property
@@ -458,7 +461,9 @@ class RemoteDataset(_Batched):
             self._fresh[sample.index] = refreshed(sample, now)
             fresh.append(i)
         again = self._made([self._fresh[samples[i].index] for i in fresh])
-        self.counters.refreshed += sum(not isinstance(item, BaseException) for item in again)
+        self.counters.dataset.refreshed += sum(
+            not isinstance(item, BaseException) for item in again
+        )
         for i, item in zip(fresh, again, strict=True):
             made[i] = item
         return made
@@ -482,16 +487,8 @@ class RemoteDataset(_Batched):
             reason = f"{type(exc).__name__}: {exc}"[:300]
             return DecodeError(f"cannot decode or transform the sample ({reason})", url=url)
         finally:
-            self.counters.prepare.add(time.perf_counter() - started)
+            self.counters.dataset.prepare.add(time.perf_counter() - started)
         return sample
-
-    def stats(self) -> dict[str, Any]:
-        """This process's counters: samples, skips, preprocessing time, fetch and cache."""
-        out: dict[str, Any] = self.counters.snapshot()
-        out["fetch"] = self.fetcher.stats.snapshot()
-        if self.cache is not None:
-            out["cache"] = self.cache.stats()
-        return out
 
 
 def _check_policies(
@@ -623,8 +620,7 @@ class CachedDataset(_Batched):
         self.on_error = on_error
         size = len(dataset)
         self._length = size if limit is None else min(limit, size)
-        self.counters = DatasetStats()
-        self._stages = StageCounters(self.counters, FetchStats(), cache.counters)
+        self.counters = StageCounters(DatasetStats(), FetchStats(), cache.counters)
         self._checked_random = False
         kind = type(dataset)
         self.fingerprint = (
@@ -649,7 +645,9 @@ class CachedDataset(_Batched):
         items = self._made(indices)
         each = (time.perf_counter() - started) / max(1, len(items))
         for _ in items:
-            self.counters.compute.add(each)  # the wrapped dataset's time, its reads included
+            self.counters.dataset.compute.add(
+                each
+            )  # the wrapped dataset's time, its reads included
         if not self._checked_random:
             self._checked_random = True
             info = get_worker_info()
@@ -696,11 +694,6 @@ class CachedDataset(_Batched):
                 self.dataset,
                 self._display(first),
             )
-
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.counters.snapshot()
-        out["cache"] = self.cache.stats()
-        return out
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -88,7 +88,8 @@ class Fetcher:
 
     ``config`` defaults to :meth:`FetchConfig.from_env` (``FASTLOAD_FETCH_*``), as everywhere.
 
-    One Fetcher may be shared by threads; its :attr:`stats` add up everything it did.
+    One Fetcher may be shared by threads; its :attr:`counters` add up everything it did
+    (:meth:`stats`: a snapshot).
     """
 
     def __init__(
@@ -98,11 +99,15 @@ class Fetcher:
     ) -> None:
         self.storage_options = dict(storage_options or {})
         self.config = config or FetchConfig.from_env()
-        self.stats = FetchStats()
+        self.counters = FetchStats()
         self._last_ok = 0.0  # when an attempt last succeeded (time.monotonic)
         self._transient_failures = 0  # of every request so far
         self._outage_logged = 0.0
         self._quarantined: dict[str, float] = {}  # url -> when it may be tried again
+
+    def stats(self) -> dict[str, float | int]:
+        """A snapshot of :attr:`counters`, with latency percentiles."""
+        return self.counters.snapshot()
 
     def fetch(
         self, items: Sequence[str | Request], *, return_exceptions: bool = False
@@ -165,7 +170,7 @@ class Fetcher:
     async def _fetch_one(self, request: Request, target: _Target) -> bytes:
         url = target.url
         if self._in_quarantine(url):
-            self.stats.failures += 1
+            self.counters.failures += 1
             raise TransientStoreError(
                 "quarantined: it kept failing while the store answered other requests "
                 "(tried again later)",
@@ -180,7 +185,7 @@ class Fetcher:
                 on_retry=lambda exc: log.debug("retrying %s after %r", url, exc),
             )
         except Exception as exc:  # translated here, at the one boundary
-            self.stats.failures += 1
+            self.counters.failures += 1
             error = translate(exc, url)
             if url in self._quarantined and isinstance(error, TransientStoreError):
                 error = TransientStoreError(
@@ -189,8 +194,8 @@ class Fetcher:
                     url=url,
                 )
             raise error from exc
-        self.stats.objects += 1
-        self.stats.bytes += len(data)
+        self.counters.objects += 1
+        self.counters.bytes += len(data)
         return data
 
     def _in_quarantine(self, url: str) -> bool:
@@ -224,16 +229,16 @@ class Fetcher:
             others_failed = self._transient_failures - mark > failures
             answering = self._last_ok > since or (self._last_ok > started and not others_failed)
             if failures <= config.retries and not (stalls >= _STALLS and answering):
-                self.stats.retries += 1
+                self.counters.retries += 1
                 return False
             if answering:
                 self._quarantined[url] = now + config.quarantine
-                self.stats.quarantined += 1
+                self.counters.quarantined += 1
                 return True
             if not self._last_ok or now - started >= config.outage_budget:
                 return True
-            self.stats.retries += 1
-            self.stats.outage_retries += 1
+            self.counters.retries += 1
+            self.counters.outage_retries += 1
             if now - self._outage_logged >= _OUTAGE_LOG_EVERY:
                 self._outage_logged = now
                 log.warning(
@@ -254,7 +259,7 @@ class Fetcher:
         finished, _ = await asyncio.wait({first}, timeout=self.config.hedge_after)
         if finished:
             return first.result()
-        self.stats.hedges += 1
+        self.counters.hedges += 1
         second: asyncio.Future[bytes] = asyncio.ensure_future(call())
         pending: set[asyncio.Future[bytes]] = {first, second}
         error: BaseException | None = None
@@ -263,7 +268,7 @@ class Fetcher:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
                     if future.exception() is None:
-                        self.stats.hedge_wins += future is second
+                        self.counters.hedge_wins += future is second
                         return future.result()
                     error = future.exception()
         finally:
@@ -291,7 +296,7 @@ class Fetcher:
         start, end = request.start, request.end
         if start is not None and end is not None and 0 <= end <= start:
             return b""  # stores disagree on empty ranges; the answer is known
-        self.stats.requests += 1
+        self.counters.requests += 1
         started = time.perf_counter()
         url = target.url
         try:
@@ -310,7 +315,7 @@ class Fetcher:
             raise TransientStoreError(
                 f"truncated body ({len(body.data)} of {expected} bytes)", url=url
             )
-        self.stats.latency.add(time.perf_counter() - started)
+        self.counters.latency.add(time.perf_counter() - started)
         self._last_ok = time.monotonic()
         return body.data
 

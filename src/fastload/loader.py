@@ -32,7 +32,7 @@ from fastload.device._batch import pinned
 from fastload.errors import ConfigError
 from fastload.ranks import rank_world
 from fastload.sampler import PermutationSampler, _splitmix64
-from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, Window, window_report
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, StallReport, Window, window_report
 from fastload.stats import StageCounters
 
 __all__ = ["DataLoader", "default_workers"]
@@ -185,7 +185,7 @@ class DataLoader(tud.DataLoader[Any]):
             self._order._new_pass(advance=self._passes > 0)
         self._passes += 1
         self._consumed = 0
-        self._pass_start = copy.deepcopy(self.stage_counters())
+        self._pass_start = self.counters
         self._before_fork()
         batches: Iterator[Any] = super().__iter__()
         if self.num_workers == 0 and self.background:
@@ -223,19 +223,25 @@ class DataLoader(tud.DataLoader[Any]):
                 yield item
 
     # -- metrics -------------------------------------------------------------------------------
-    def stage_counters(self) -> StageCounters | None:
-        """Dataset/fetch/cache counters of this process and every worker (None if the dataset
-        keeps none)."""
-        own = getattr(self.dataset, "stage_counters", None)
-        if not callable(own):
+    @property
+    def counters(self) -> StageCounters | None:
+        """Dataset/fetch/cache counters of this process and every worker so far (None if the
+        dataset keeps none); :meth:`stats` is their snapshot."""
+        own = getattr(self.dataset, "counters", None)
+        if not isinstance(own, StageCounters):
             return None
-        total: StageCounters = copy.deepcopy(own())
+        total = copy.deepcopy(own)
         total.merge(self._worker_counters)
         return total
 
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of :attr:`counters` (empty if the dataset keeps none)."""
+        counters = self.counters
+        return {} if counters is None else counters.snapshot()
+
     def report(
         self, window: Window = "epoch", *, data_bound_above: float = DATA_BOUND_ABOVE
-    ) -> dict[str, Any]:
+    ) -> StallReport:
         """Wait vs step time, throughput, stage counters and the data/compute verdict, for the
         current (or last) pass (``window="epoch"``) or since the loader was made (``"all"``).
         A :class:`fastload.DeviceLoader` over this loader shares its meter and this report."""
@@ -244,7 +250,7 @@ class DataLoader(tud.DataLoader[Any]):
             this_pass += f" (epoch {getattr(self._order, 'epoch', '?')})"
         return window_report(
             self.meter,
-            self.stage_counters(),
+            self.counters,
             self._pass_start,
             window,
             this_pass=this_pass,
@@ -320,8 +326,8 @@ class _Counted:
 
 def _worker_counters() -> StageCounters | None:
     info = tud.get_worker_info()
-    get = getattr(info.dataset, "stage_counters", None) if info is not None else None
-    return get() if callable(get) else None
+    counters = getattr(info.dataset, "counters", None) if info is not None else None
+    return counters if isinstance(counters, StageCounters) else None
 
 
 class _WorkerCollate:

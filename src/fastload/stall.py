@@ -9,9 +9,11 @@ overfit-style test users otherwise write by hand.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from itertools import islice
 from typing import Any, Literal, TypeVar
 
@@ -25,6 +27,7 @@ __all__ = [
     "DATA_BOUND_ABOVE",
     "Hook",
     "Meter",
+    "StallReport",
     "Window",
     "batch_size_of",
     "diagnose",
@@ -143,55 +146,92 @@ class Meter:
 Window = Literal["epoch", "all"]
 
 
+Bound = Literal["data", "compute", "unknown"]
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """Where a loop's time went over one window, and the verdict.
+
+    ``bound`` is "data", "compute" or "unknown" (too few steps). ``wait_share`` counts the
+    first batch of each pass (also reported apart, as ``first_batch_s``), so a loop that mostly
+    waited for its first batch is data-bound; ``steady_wait_share`` leaves it out. ``counters``
+    are the dataset/fetch/cache counters of the window (None when the loop has none).
+    """
+
+    window: str
+    passes: int
+    steps: int
+    samples: int
+    first_batch_s: float
+    wait_s: float
+    step_s: float
+    wait_share: float
+    steady_wait_share: float
+    samples_per_s: float
+    batches_per_s: float
+    wait_p50_ms: float
+    wait_p99_ms: float
+    step_p50_ms: float
+    step_p99_ms: float
+    bound: Bound
+    cause: str | None
+    verdict: str
+    counters: StageCounters | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for hooks, logs, JSON): the counters' snapshot under
+        ``dataset``/``fetch``/``cache``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "counters"}
+        if self.counters is not None:
+            out.update(self.counters.snapshot())
+        return out
+
+
 def stall_report(
     steps: StepStats,
     counters: StageCounters | None = None,
     *,
     window: str = "all",
     data_bound_above: float = DATA_BOUND_ABOVE,
-) -> dict[str, Any]:
-    """Figures and a verdict for the time ``steps`` covers (``window`` names it).
-
-    ``bound`` is "data", "compute" or "unknown" (too few steps). ``wait_share`` counts the
-    first batch of each pass (it is also reported apart, as ``first_batch_s``), so a loop that
-    mostly waited for its first batch is data-bound; ``steady_wait_share`` leaves it out.
-    """
+) -> StallReport:
+    """Figures and a verdict for the time ``steps`` covers (``window`` names it)."""
     elapsed = steps.elapsed_s
-    report: dict[str, Any] = {
-        "window": window,
-        "passes": steps.passes,
-        "steps": steps.steps,
-        "samples": steps.samples,
-        "first_batch_s": steps.first_batch_s,
-        "wait_s": steps.first_batch_s + steps.wait.total,
-        "step_s": steps.step.total,
-        "wait_share": steps.wait_share,
-        "steady_wait_share": steps.steady_wait_share,
-        "samples_per_s": steps.samples / elapsed if elapsed else 0.0,
-        "batches_per_s": (steps.steps + steps.passes) / elapsed if elapsed else 0.0,
-        "wait_p50_ms": steps.wait.percentile(50) * 1e3,
-        "wait_p99_ms": steps.wait.percentile(99) * 1e3,
-        "step_p50_ms": steps.step.percentile(50) * 1e3,
-        "step_p99_ms": steps.step.percentile(99) * 1e3,
-    }
-    if counters is not None:
-        report.update(counters.snapshot())
+    report = StallReport(
+        window=window,
+        passes=steps.passes,
+        steps=steps.steps,
+        samples=steps.samples,
+        first_batch_s=steps.first_batch_s,
+        wait_s=steps.first_batch_s + steps.wait.total,
+        step_s=steps.step.total,
+        wait_share=steps.wait_share,
+        steady_wait_share=steps.steady_wait_share,
+        samples_per_s=steps.samples / elapsed if elapsed else 0.0,
+        batches_per_s=(steps.steps + steps.passes) / elapsed if elapsed else 0.0,
+        wait_p50_ms=steps.wait.percentile(50) * 1e3,
+        wait_p99_ms=steps.wait.percentile(99) * 1e3,
+        step_p50_ms=steps.step.percentile(50) * 1e3,
+        step_p99_ms=steps.step.percentile(99) * 1e3,
+        bound="unknown",
+        cause=None,
+        verdict="not enough steps measured yet",
+        counters=copy.deepcopy(counters),
+    )
     if steps.steps < 2 or elapsed <= 0:
-        report.update(bound="unknown", cause=None, verdict="not enough steps measured yet")
         return report
     share, where = steps.wait_share, f"{window}: "
     first = f"{steps.first_batch_s:.2f} s" + (" in all" if steps.passes > 1 else "")
     if share <= data_bound_above:
-        report.update(
+        return replace(
+            report,
             bound="compute",
-            cause=None,
             verdict=(
                 f"{where}compute-bound: the loop waited for data {share:.1%} of the time "
-                f"(first batch {first}, p99 wait {report['wait_p99_ms']:.1f} ms); a faster "
+                f"(first batch {first}, p99 wait {report.wait_p99_ms:.1f} ms); a faster "
                 "data path would not help"
             ),
         )
-        return report
     if steps.steady_wait_share <= data_bound_above:  # only the first batch made it so
         cause = (
             f"the first batch: {first}, {steps.first_batch_s / elapsed:.0%} of the time "
@@ -200,13 +240,13 @@ def stall_report(
         )
     else:
         cause = _cause(steps, counters)
-    report.update(
+    return replace(
+        report,
         bound="data",
         cause=cause,
         verdict=f"{where}data-bound: the loop waited for data {share:.1%} of the time; "
         f"cause: {cause}",
     )
-    return report
 
 
 def window_report(
@@ -217,7 +257,7 @@ def window_report(
     *,
     this_pass: str,
     data_bound_above: float = DATA_BOUND_ABOVE,
-) -> dict[str, Any]:
+) -> StallReport:
     """The report of ``meter`` for one window: ``"epoch"`` (the current or last pass, named
     ``this_pass``; counters since ``pass_start``) or ``"all"`` (since the meter was made)."""
     if not 0 < data_bound_above < 1:
@@ -281,14 +321,14 @@ def diagnose(
     *,
     steps: int = 30,
     warmup: int = 2,
-    counters: Callable[[], StageCounters | None] | None = None,
 ) -> dict[str, Any]:
     """Say whether ``loader`` or ``step`` limits throughput, by running them apart and together.
 
     The loader alone is timed over ``steps`` batches (after ``warmup``), then ``step`` alone on
     one batch repeated (as an overfit test would), then both together. ``step`` must finish its
     work before returning (call ``.item()`` or synchronise), or it looks free. Batches keep
-    coming from one pass of the loader, restarted when it ends.
+    coming from one pass of the loader, restarted when it ends. A loader with ``counters``
+    (a :class:`fastload.DataLoader`) gets the cause named from them.
     """
     if steps < 1 or warmup < 0:
         raise ConfigError(f"diagnose: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
@@ -315,22 +355,23 @@ def diagnose(
     for item in islice(meter.timed(source), steps + 1):
         step(item)
         _synchronize()
-    together = stall_report(meter.stats, counters() if counters else None)
+    counters = getattr(loader, "counters", None)
+    together = stall_report(meter.stats, counters if isinstance(counters, StageCounters) else None)
     result.update(
         step_per_s=steps / step_s,
-        together_batches_per_s=together["batches_per_s"],
-        together_wait_share=together["wait_share"],
+        together_batches_per_s=together.batches_per_s,
+        together_wait_share=together.wait_share,
     )
     loader_rate, step_rate = steps / loader_s, steps / step_s
     if loader_rate < step_rate:
-        cause = together["cause"] or "the loader"
+        cause = together.cause or "the loader"
         result.update(
             bound="data",
             cause=cause,
             verdict=(
                 f"data-bound: the loader delivers {loader_rate:.1f} batches/s, the step alone "
-                f"runs {step_rate:.1f}/s; together {together['batches_per_s']:.1f}/s with "
-                f"{together['wait_share']:.0%} of the time waiting for data; cause: {cause}"
+                f"runs {step_rate:.1f}/s; together {together.batches_per_s:.1f}/s with "
+                f"{together.wait_share:.0%} of the time waiting for data; cause: {cause}"
             ),
         )
     else:
@@ -339,7 +380,7 @@ def diagnose(
             cause=None,
             verdict=(
                 f"compute-bound: the step alone runs {step_rate:.1f} batches/s, the loader "
-                f"delivers {loader_rate:.1f}/s; together {together['batches_per_s']:.1f}/s"
+                f"delivers {loader_rate:.1f}/s; together {together.batches_per_s:.1f}/s"
             ),
         )
     return result

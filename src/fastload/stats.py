@@ -143,7 +143,7 @@ class DatasetStats:
 class StageCounters:
     """The dataset, fetch and cache counters of one process, as one mergeable value.
 
-    A dataset's :meth:`stage_counters` returns a view on its live counters; DataLoader workers
+    A dataset's ``counters`` attribute is a view on its live counters; DataLoader workers
     send :meth:`drain`-ed copies with each batch and the main process :meth:`merge`-s them.
     """
 

@@ -97,7 +97,7 @@ def warm_cache(
             f"warm_cache needs batch_size and threads >= 1, got {batch_size}, {threads}"
         )
     report = WarmReport()
-    counters = dataset.stage_counters()
+    counters = dataset.counters
     fetch, cache = counters.fetch, counters.cache
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
     started = time.perf_counter()

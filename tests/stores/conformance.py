@@ -105,7 +105,7 @@ class FetchConformance:
         fetcher = self.fetcher(case)
         requests = [Request(case.url(k), size=len(v)) for k, v in data.items()]
         assert fetcher.fetch(requests) == list(data.values())
-        stats = fetcher.stats
+        stats = fetcher.counters
         assert stats.objects == len(data)
         assert stats.bytes == sum(map(len, data.values()))
         assert stats.failures == 0

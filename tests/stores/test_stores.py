@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing as mp
-import time
 import pickle
+import time
 from typing import Any
 
 import fsspec

@@ -28,7 +28,7 @@ def train(index: int, out_dir: str) -> None:
         "ordinal": xr.global_ordinal(),
         "device": device,
         "labels": labels,
-        "steps": loader.report()["steps"],
+        "steps": loader.report().steps,
     }
     Path(out_dir, f"ordinal-{record['ordinal']}.json").write_text(json.dumps(record))
 

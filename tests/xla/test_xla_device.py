@@ -44,10 +44,10 @@ def test_a_training_loop_through_the_device_loader() -> None:
     # one meter for the loop, though torch_xla's loader iterates fastload's in a thread
     assert loader.meter is loader.loader.meter  # type: ignore[attr-defined]
     total = loader.report("all")
-    assert total["steps"] == 40 and total["samples"] == 40 * 32 and total["passes"] == 5
+    assert total.steps == 40 and total.samples == 40 * 32 and total.passes == 5
     last = loader.report()
-    assert last["steps"] == 8 and last["window"] == "pass 5 (epoch 4)"
-    assert last["bound"] in {"data", "compute"}
+    assert last.steps == 8 and last.window == "pass 5 (epoch 4)"
+    assert last.bound in {"data", "compute"}
 
 
 def test_a_failing_loader_raises_instead_of_ending_the_epoch() -> None:

@@ -571,7 +571,7 @@ def _diagnose(  # noqa: PLR0917
         storage_options=options,
     )
     loader = fastload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
-    return fastload.diagnose(loader, step, steps=steps, counters=loader.stage_counters)
+    return fastload.diagnose(loader, step, steps=steps)
 
 
 # --- entry --------------------------------------------------------------------------------------

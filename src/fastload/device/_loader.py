@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -12,7 +11,7 @@ from fastload.device._batch import map_tensors
 from fastload.device.cuda import cuda_batches
 from fastload.device.xla import check_sharding, xla_batches, xla_device
 from fastload.errors import ConfigError
-from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, Window, window_report
+from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, StallReport, Window, window_report
 from fastload.stats import StageCounters
 
 __all__ = ["DeviceLoader", "resolve_device"]
@@ -92,7 +91,7 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         self._delivered = 0
         self._passes += 1
-        self._pass_start = copy.deepcopy(counters_of(self.loader))
+        self._pass_start = self.counters
         for batch in self.meter.timed(self._batches()):
             self._delivered += 1
             yield batch
@@ -127,18 +126,28 @@ class DeviceLoader:
         return tensor
 
     # -- metrics and checkpoints ---------------------------------------------------------------
-    def report(self, window: Window = "epoch") -> dict[str, Any]:
+    @property
+    def counters(self) -> StageCounters | None:
+        """The loader's dataset/fetch/cache counters (see :func:`counters_of`)."""
+        return counters_of(self.loader)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of :attr:`counters` (empty when there are none)."""
+        counters = self.counters
+        return {} if counters is None else counters.snapshot()
+
+    def report(self, window: Window = "epoch") -> StallReport:
         """Wait vs step time, throughput, stage counters and the data/compute verdict, for the
         current (or last) pass (``window="epoch"``) or since the start (``"all"``); over a
         :class:`fastload.DataLoader`, the loader's own report (one meter for the loop)."""
         if self.meter is getattr(self.loader, "meter", None):
-            report: dict[str, Any] = self.loader.report(  # type: ignore[attr-defined]
+            report: StallReport = self.loader.report(  # type: ignore[attr-defined]
                 window, data_bound_above=self.data_bound_above
             )
             return report
         return window_report(
             self.meter,
-            counters_of(self.loader),
+            self.counters,
             self._pass_start,
             window,
             this_pass=f"pass {self._passes}",
@@ -177,10 +186,9 @@ class DeviceLoader:
 def counters_of(loader: object) -> StageCounters | None:
     """The stage counters behind a loader: a fastload.DataLoader's (workers included), or an
     in-process dataset's (None when they live in worker processes or nowhere)."""
-    get = getattr(loader, "stage_counters", None)
-    if not callable(get) and not getattr(loader, "num_workers", 0):
-        get = getattr(getattr(loader, "dataset", None), "stage_counters", None)
-    counters = get() if callable(get) else None
+    counters = getattr(loader, "counters", None)
+    if counters is None and not getattr(loader, "num_workers", 0):
+        counters = getattr(getattr(loader, "dataset", None), "counters", None)
     return counters if isinstance(counters, StageCounters) else None
 
 
