@@ -10,7 +10,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONSTRAINTS := requirements/constraints.txt
 URL ?=
 
-.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick docs clean
+.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick docs clean gpu-check gpu-wheels
 
 help:
 	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
@@ -20,6 +20,8 @@ help:
 	@echo "make docs   - build the docs site into site/ (mkdocs --strict)"
 	@echo "make soak   - the long soak test (FASTLOAD_SOAK_EPOCHS=12)"
 	@echo "make test-load - the reliability, fetch and server tests beside 10 busy processes"
+	@echo "make gpu-check - on a GPU machine: the cuda tests and the GPU benchmark (no venv needed)"
+	@echo "make gpu-wheels - fetch into .whl/ the wheels gpu-check needs on a machine without network"
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt requirements/docs.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
@@ -73,6 +75,17 @@ lint: env
 
 bench: env
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# On a GPU machine as it is (python3 with a CUDA torch, no network): see benchmarks/gpu_check.sh.
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# fastload's dependencies that a CUDA image may lack, as Python 3.12 x86-64 wheels.
+GPU_WHEELS := crc32c==2.9.post0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 bench-quick: env
 	$(PY) -m benchmarks --quick

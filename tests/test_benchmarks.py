@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from benchmarks import cache, groups, limit, parquet, peers, sampler, stall, stores, volumes
+from benchmarks import cache, gpu, groups, limit, parquet, peers, sampler, stall, stores, volumes
 
 
 def test_sampler_benchmark_measures_every_field() -> None:
@@ -87,6 +90,18 @@ def test_stall_benchmark_reports_each_loop() -> None:
     assert loops["fastload.DataLoader defaults, warm cache"]["wait share (median)"] >= 0
     assert "fetch latency" in loops["torch DataLoader + RemoteDataset, no cache"]["verdict"]
     assert all(row["vs ceiling"] > 0 for row in rows if "lookahead" in row["loop"])
+
+
+def test_gpu_benchmark_runs_its_loops_on_the_cpu(tmp_path: Path) -> None:
+    """The CUDA rows (pinned copies, the side stream) need a GPU: `make gpu-check` runs them;
+    here the same loops run without copies, so the harness itself is exercised."""
+    result = gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "gpu.json")])
+    assert json.loads((tmp_path / "gpu.json").read_text()) == result
+    assert [row["loop"] for row in result["loops"]] == [
+        "torch + .to(device)",
+        "fastload DeviceLoader, pageable",
+    ]
+    assert all(row["samples/s"] > 0 and 0 <= row["wait share"] < 1 for row in result["loops"])
 
 
 def test_peer_benchmark_runs_every_reader_on_every_store() -> None:
