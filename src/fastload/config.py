@@ -39,7 +39,7 @@ class FetchConfig:
     hedge_after: seconds after which a still-unanswered request is sent a second time and the
         first answer wins (None: no hedging).
     fast_path: read s3:// through obstore when it is installed and the storage_options allow
-        (see ``fastload.stores._fast``); False always uses fsspec.
+        (see ``fastload.stores._obstore``); False always uses fsspec.
     """
 
     concurrency: int = 64

@@ -1,7 +1,8 @@
 """Read many objects (or byte ranges) at once: bounded concurrency, retries, hedging, counters.
 
-Async filesystems (s3fs, gcsfs) are driven on fsspec's IO loop; blocking ones (b2://, file://,
-memory://) run on a thread pool of the same width. Every failure is classified once
+Reads go to each URL's :class:`~fastload.stores.Store` (:func:`fastload.stores.open_store`),
+driven on fsspec's IO loop (the one s3fs and gcsfs run on); this module does not know which
+backend serves them. Every failure is classified once
 (:func:`fastload.stores.classify`): transient ones are retried with full-jitter exponential
 backoff, the rest, and those that outlast the retries, are raised as fastload errors naming the
 object.
@@ -13,19 +14,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec.asyn
-from fsspec import AbstractFileSystem
 
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectChangedError, TransientStoreError
-from fastload.resources import PerProcess
 from fastload.stats import FetchStats
-from fastload.stores import StoreURL, _fast, _reads, fast_reader, filesystem, parse_url, translate
-from fastload.stores._reads import Body, Patience
+from fastload.stores import (
+    ByteRange,
+    Span,
+    Store,
+    StoreURL,
+    Suffix,
+    open_store,
+    parse_url,
+    translate,
+)
+from fastload.stores._base import Patience
 from fastload.stores._retry import retrying
 
 __all__ = ["Fetcher", "Request", "fetch"]
@@ -39,7 +46,8 @@ _STALLS = 3
 
 @dataclass(frozen=True)
 class Request:
-    """One object, or the byte range ``[start, end)`` of it.
+    """One object, or the byte range ``[start, end)`` of it; a negative ``start`` (with no
+    ``end``) asks for the last ``-start`` bytes.
 
     ``size``, when known (e.g. from a Manifest), is the whole object's size: a body shorter than
     expected is then treated as truncated and retried. ``version``, when known, is the version
@@ -52,27 +60,37 @@ class Request:
     size: int | None = None
     version: str | None = None
 
+    def __post_init__(self) -> None:
+        self.span  # noqa: B018 (checked once, here)
+
+    @property
+    def span(self) -> ByteRange:
+        """The bytes asked for, as a typed range."""
+        start, end = self.start, self.end
+        if start is not None and start < 0:
+            if end is not None:
+                raise ConfigError(f"Request {self.url}: a suffix (start={start}) takes no end")
+            return Suffix(-start)
+        try:
+            return Span(start or 0, end)
+        except ConfigError as exc:
+            raise ConfigError(f"Request {self.url}: {exc}") from None
+
     def expected_length(self) -> int | None:
         if self.size is None:
             return None
-        start = self.start or 0
-        end = self.size if self.end is None else min(self.end, self.size)
-        return max(0, end - start)
+        span = self.span
+        if isinstance(span, Suffix):
+            return min(span.length, self.size)
+        end = self.size if span.end is None else min(span.end, self.size)
+        return max(0, end - span.start)
 
 
 @dataclass(frozen=True)
 class _Target:
-    fs: AbstractFileSystem
-    path: str  # the filesystem's path
-    url: str  # for messages
-    fast: Any  # an obstore store, or None
-    key: str  # the object key within the bucket (for the fast path)
-
-
-# Blocking stores (b2://, file://) run on threads shared by every Fetcher in the process, so
-# their clients' per-thread connections live as long as the process instead of leaking with
-# short-lived threads.
-_pools: PerProcess[int, ThreadPoolExecutor] = PerProcess("fetch pools")
+    store: Store
+    url: StoreURL
+    span: ByteRange
 
 
 def _as_request(item: str | Request) -> Request:
@@ -120,31 +138,23 @@ class Fetcher:
         requests = [_as_request(item) for item in items]
         if not requests:
             return []
-        clients: dict[tuple[str, str], tuple[AbstractFileSystem, Any]] = {}
-        targets = [self._target(r, clients) for r in requests]
+        stores: dict[str, Store] = {}
+        targets = [self._target(r, stores) for r in requests]
         loop = fsspec.asyn.get_loop()  # the IO loop s3fs and gcsfs run on by default
         results: list[Any] = fsspec.asyn.sync(loop, self._run, requests, targets, return_exceptions)
         return results
 
-    def _target(
-        self, request: Request, clients: dict[tuple[str, str], tuple[AbstractFileSystem, Any]]
-    ) -> _Target:
-        """Where ``request`` goes; ``clients`` memoizes the lookups per (scheme, bucket)."""
-        parsed: StoreURL = parse_url(request.url)
-        where = (parsed.scheme, parsed.bucket)
-        if where not in clients:
-            fast = fast_reader(parsed, self.storage_options) if self.config.fast_path else None
-            clients[where] = (filesystem(parsed, self.storage_options), fast)
-        fs, fast = clients[where]
-        if (request.start or 0) < 0 or (request.end or 0) < 0:
-            fast = None  # suffix ranges need the object's size: the fsspec path knows how
-        elif not _fast.readable(parsed.key):
-            fast = None  # a key obstore would rewrite (a//b, ./x): the s3fs path reads it as is
-        return _Target(fs, fs._strip_protocol(str(parsed)), request.url, fast, parsed.key)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        width = self.config.concurrency
-        return _pools.get(width, lambda: ThreadPoolExecutor(width, "fastload-fetch"))
+    def _target(self, request: Request, stores: dict[str, Store]) -> _Target:
+        """Where ``request`` goes; ``stores`` memoizes the stores per scheme."""
+        parsed = parse_url(request.url)
+        if parsed.scheme not in stores:
+            stores[parsed.scheme] = open_store(
+                parsed,
+                self.storage_options,
+                fast_path=self.config.fast_path,
+                threads=self.config.concurrency,
+            )
+        return _Target(stores[parsed.scheme], parsed, request.span)
 
     async def _run(
         self,
@@ -168,7 +178,7 @@ class Fetcher:
                 task.cancel()
 
     async def _fetch_one(self, request: Request, target: _Target) -> bytes:
-        url = target.url
+        url = request.url
         if self._in_quarantine(url):
             self.counters.failures += 1
             raise TransientStoreError(
@@ -277,30 +287,15 @@ class Fetcher:
         assert error is not None
         raise error
 
-    def _call(self, request: Request, target: _Target) -> Awaitable[Body]:
-        start, end = request.start, request.end
-        patience = Patience(self.config.timeout, request.expected_length())
-        if target.fast is not None:
-            return _fast.read(target.fast, target.key, (start, end), patience)
-        executor = self._executor()
-        return _reads.read(
-            target.fs,
-            target.path,
-            (start, end),
-            version=request.version,
-            executor=executor,
-            patience=patience,
-        )
-
     async def _attempt(self, request: Request, target: _Target) -> bytes:
-        start, end = request.start, request.end
-        if start is not None and end is not None and 0 <= end <= start:
+        if target.span.empty:
             return b""  # stores disagree on empty ranges; the answer is known
         self.counters.requests += 1
         started = time.perf_counter()
-        url = target.url
+        url = request.url
+        patience = Patience(self.config.timeout, request.expected_length())
         try:
-            body = await self._call(request, target)
+            body = await target.store.read(target.url, target.span, request.version, patience)
         except TimeoutError as exc:
             message = f"nothing received for {self.config.timeout:g} s"
             raise TransientStoreError(message, url=url) from exc

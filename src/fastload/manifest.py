@@ -32,8 +32,9 @@ from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
-from fastload.stores import StoreURL, fast_reader, filesystem, parse_url, translate
-from fastload.stores._listing import Listed, list_parallel, page_lister
+from fastload.stores import StoreURL, filesystem, open_store, parse_url, translate
+from fastload.stores._base import Listed
+from fastload.stores._listing import list_parallel
 from fastload.stores._retry import retrying
 
 __all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges"]
@@ -210,10 +211,7 @@ class Manifest(Sequence[Entry]):
     ) -> Manifest:
         root = parse_url(url)
         fs = filesystem(root, storage_options)
-        lister = None
-        if parallel:
-            fast = fast_reader(root, storage_options)
-            lister = page_lister(root.scheme, fs, root.bucket, fast)
+        lister = open_store(root, storage_options).lister(root.bucket) if parallel else None
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""

@@ -20,7 +20,7 @@ from fastload.config import FetchConfig
 from fastload.errors import AccessDeniedError, ObjectNotFoundError
 from fastload.fetcher import Fetcher, Request
 from fastload.manifest import Manifest
-from fastload.stores import _listing, filesystem
+from fastload.stores import _listing, _obstore, filesystem, open_store, parse_url
 from fastload.testing import FaultProxy
 
 
@@ -143,6 +143,7 @@ class ManifestConformance:
     def small_pages(self, monkeypatch: pytest.MonkeyPatch) -> None:
         # Small pages make a few hundred keys take the same split paths as 100K would.
         monkeypatch.setattr(_listing, "PAGE", 37)
+        monkeypatch.setattr(_obstore, "PAGE", 37)  # obstore's stream pages too
         monkeypatch.setattr(_listing, "PROBE", 6)
 
     def test_parallel_listing_equals_find(self, case: Case, small_pages: None) -> None:
@@ -174,7 +175,8 @@ class ManifestConformance:
         parallel = Manifest.build(case.root, storage_options=case.read_options)
         assert parallel.keys() == sorted(data)
         assert [entry.size for entry in parallel] == [len(data[k]) for k in sorted(data)]
-        lister = _listing.page_lister(case.root.split("://")[0], None, "")  # type: ignore[arg-type]
+        root = parse_url(case.root)
+        lister = open_store(root, case.read_options).lister(root.bucket)
         if lister is not None and lister.split:  # (B2 lists one chain of 10,000-name pages)
             # the listing really split at directory names (the case that lost keys)
             base = case.root.split("/", 3)[3] + "/"

@@ -14,7 +14,7 @@ import pytest
 
 from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest
-from fastload.stores import _listing, filesystem
+from fastload.stores import _listing, _obstore, filesystem
 from fastload.testing import B2Server, S3Server
 from tests.conftest import BUCKET
 
@@ -45,6 +45,7 @@ def test_markers_are_not_samples_and_odd_keys_are_read_as_they_are(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_listing, "PAGE", 7)
+    monkeypatch.setattr(_obstore, "PAGE", 7)  # obstore's pages too
     monkeypatch.setattr(_listing, "PROBE", 3)
     server: S3Server = request.getfixturevalue(server_name)
     prefix = f"odd-{uuid.uuid4().hex[:8]}/"

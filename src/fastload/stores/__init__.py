@@ -1,7 +1,10 @@
-"""URL → filesystem: one fsspec filesystem per process and per (scheme, options).
+"""URL → store: one fsspec filesystem per process and per (scheme, options), and the
+:class:`~fastload.stores._base.Store` over it that fetch and Manifest use.
 
-``s3://`` (s3fs), ``gs://`` (gcsfs), ``b2://`` (fastload's own filesystem over b2sdk),
-``file://`` and ``memory://``. Filesystems are created lazily, cached per process, and created
+``s3://`` (s3fs, with obstore in front when it can), ``gs://`` (gcsfs), ``b2://`` (fastload's
+own filesystem over b2sdk), ``file://`` and ``memory://``. :func:`open_store` is the one place
+that picks a backend; each backend's knowledge lives in its module (``s3``, ``_obstore``,
+``gcs``, ``b2``, ``_fsspec``). Filesystems are created lazily, cached per process, and created
 afresh in a forked child (a client's connection pool must never be shared across a fork).
 Errors from the clients become fastload's own at one boundary: :func:`translate`.
 """
@@ -19,16 +22,25 @@ from fsspec import AbstractFileSystem
 from fastload._extras import import_extra
 from fastload.errors import ConfigError
 from fastload.resources import PerProcess
-from fastload.stores import _fast
+from fastload.stores._base import WHOLE, ByteRange, Span, Store, Suffix
 from fastload.stores._errors import Kind, classify, translate
+from fastload.stores._fsspec import FsspecStore
+from fastload.stores._obstore import ObstoreStore
+from fastload.stores.gcs import GcsStore
+from fastload.stores.s3 import S3Store
 
 __all__ = [
     "SCHEMES",
+    "WHOLE",
+    "ByteRange",
     "Kind",
+    "Span",
+    "Store",
     "StoreURL",
+    "Suffix",
     "classify",
-    "fast_reader",
     "filesystem",
+    "open_store",
     "parse_url",
     "translate",
 ]
@@ -119,10 +131,29 @@ def filesystem(
     return _filesystems.get(key, lambda: _create(parsed.scheme, options))
 
 
-def fast_reader(url: StoreURL, storage_options: Mapping[str, Any] | None = None) -> Any | None:
-    """The obstore store that reads ``url``'s bucket faster than fsspec, or None (see ``_fast``)."""
-    options = dict(storage_options or {})
-    return _fast.fast_store(url.scheme, url.bucket, options, _options_key(options))
+def open_store(
+    url: StoreURL,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    fast_path: bool = True,
+    threads: int = 32,
+) -> Store:
+    """The store for ``url``'s scheme: obstore in front of s3fs for ``s3://`` (``fast_path``,
+    where obstore is installed and the options suit it), gcsfs's session for ``gs://``, B2's
+    downloads and pages for ``b2://``, else the filesystem itself (``threads`` wide when it
+    blocks)."""
+    fs = filesystem(url, storage_options)
+    if url.scheme == "s3":
+        options = dict(storage_options or {})
+        s3 = S3Store(fs, threads)
+        return ObstoreStore(s3, options, _options_key(options)) if fast_path else s3
+    if url.scheme in ("gs", "gcs"):
+        return GcsStore(fs, threads)
+    if url.scheme == "b2":
+        from fastload.stores.b2 import B2Store  # noqa: PLC0415 (imports the 'b2' extra)
+
+        return B2Store(fs, threads)
+    return FsspecStore(fs, threads)
 
 
 def _create(scheme: str, options: dict[str, Any]) -> AbstractFileSystem:

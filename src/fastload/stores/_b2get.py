@@ -25,7 +25,7 @@ from fastload.errors import (
     StoreError,
     TransientStoreError,
 )
-from fastload.stores._reads import Body, Patience, progressing
+from fastload.stores._base import Body, Patience, Span, http_range, progressing
 
 __all__ = ["Downloads"]
 
@@ -43,17 +43,10 @@ class Downloads:
         self._auth: tuple[int, str, str] | None = None  # (pid, download URL, token)
         self._sessions: dict[tuple[int, int], aiohttp.ClientSession] = {}
 
-    async def get(
-        self, bucket: str, key: str, span: tuple[int, int | None], patience: Patience
-    ) -> Body | None:
-        """The bytes ``span`` = ``[start, end)`` with the file id and SHA-1 B2 names for them;
-        None when the range starts past the end (the caller knows the size to ask for)."""
-        start, end = span
-        headers = {}
-        if end is not None:
-            headers["Range"] = f"bytes={start}-{end - 1}"
-        elif start:
-            headers["Range"] = f"bytes={start}-"
+    async def get(self, bucket: str, key: str, span: Span, patience: Patience) -> Body | None:
+        """The bytes ``span`` with the file id and SHA-1 B2 names for them; None when the range
+        starts past the end (the caller knows the size to ask for)."""
+        headers = http_range(span)
         url = f"b2://{bucket}/{key}"
         timeout = patience.timeout
         for renew in (False, True):

@@ -23,205 +23,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from functools import partial
-from typing import Any, Protocol
-
-from fsspec import AbstractFileSystem
+from typing import Any
 
 from fastload.config import FetchConfig
-from fastload.stores import _fast
-from fastload.stores._errors import Kind, classify
+from fastload.stores._base import PAGE, Listed, PageLister, Stream
 from fastload.stores._retry import retrying
 
-__all__ = ["Listed", "PageLister", "list_parallel", "page_lister"]
+__all__ = ["list_parallel"]
 
-PAGE = 1000
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
-
-
-@dataclass(frozen=True)
-class Listed:
-    key: str  # the object key within the bucket
-    size: int
-    version: str  # ETag, generation or file id
-
-
-class PageLister(Protocol):
-    #: whether the store may order keys as a file tree (S3 emulations do): split points are
-    #: then checked first (see the module docstring)
-    tree_ordered: bool
-    #: the most keys one request returns (None: ``PAGE``)
-    page_size: int | None
-    #: whether key ranges are listed concurrently (the store bills or limits list calls: no)
-    split: bool
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        """Up to ``limit`` (<= the page size) keys under ``prefix``: the first page after
-        ``start_after`` when ``token`` is None, else the page ``token`` continues; and the
-        token of the next page (None at the end)."""
-
-
-class _S3Pages:
-    tree_ordered = True
-    page_size: int | None = None
-    split = True
-
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        where: dict[str, str] = {}
-        if token is not None:
-            where["ContinuationToken"] = token
-        elif start_after:
-            where["StartAfter"] = start_after
-        out = await self.fs._call_s3(
-            "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=limit, **where
-        )
-        entries = [
-            Listed(item["Key"], int(item["Size"]), str(item.get("ETag", "")).strip('"'))
-            for item in out.get("Contents", [])
-        ]
-        more = out.get("NextContinuationToken") if out.get("IsTruncated") else None
-        return entries, more
-
-
-@dataclass
-class _Stream:
-    """Where an obstore listing stands: its stream (which keeps S3's own continuation token)
-    and the last key it gave; a stream that failed once is not trusted again."""
-
-    stream: Any
-    last: str | None
-    broken: bool = False
-
-
-class _ObstorePages:
-    """S3 pages through obstore: a twentieth of botocore's CPU per key.
-
-    obstore renames some keys (a ``sub/`` marker comes back as ``sub``) and refuses others
-    (``a//b``, ``./c``, control characters): a page holding an empty object, or one obstore
-    cannot parse, is asked for again through botocore, which then lists the rest of the range.
-    """
-
-    tree_ordered = True
-    page_size: int | None = None
-    split = True
-
-    def __init__(self, store: Any, general: _S3Pages) -> None:
-        self.store, self.general = store, general
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        if not isinstance(token, _Stream | None):  # this range went through botocore
-            return await self.general.page(prefix, start_after, token, limit)
-        if token is not None and token.broken:
-            return await self.general.page(prefix, token.last or start_after, None, limit)
-        directory = prefix.rstrip("/") or None
-        if not _fast.readable(directory or "x") or not _fast.readable(start_after or "x"):
-            return await self.general.page(prefix, start_after, None, limit)
-        # whole pages always: the stream keeps its chunk size for every page it gives, and a
-        # range probed with a small first page would go on 100 keys at a time
-        cursor = token or _Stream(_fast.list_stream(self.store, directory, start_after, PAGE), None)
-        try:
-            rows = await _fast.next_page(cursor.stream)
-        except Exception as exc:
-            if token is None and classify(exc) is Kind.TRANSIENT:
-                raise  # a first page is simply asked for again
-            # a key obstore cannot parse, or a stream that failed midway (it cannot resume)
-            cursor.broken = True
-            return await self.general.page(prefix, cursor.last or start_after, None, limit)
-        if rows is None:
-            return [], None
-        if any(size == 0 for _, size, _ in rows):  # a marker, or a key obstore renamed
-            return await self.general.page(prefix, cursor.last or start_after, None, limit)
-        cursor.last = rows[-1][0] if rows else cursor.last
-        return [Listed(*row) for row in rows], cursor
-
-
-class _GcsPages:
-    tree_ordered = True  # real GCS is not, but emulators may be
-    page_size: int | None = None
-    split = True
-
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        where: dict[str, str] = {}
-        if token is not None:
-            where["pageToken"] = token
-        elif start_after:
-            where["startOffset"] = start_after  # inclusive: start_after itself is dropped
-        out = await self.fs._call(
-            "GET", "b/{}/o", self.bucket, prefix=prefix, maxResults=limit, json_out=True, **where
-        )
-        entries = [
-            Listed(item["name"], int(item["size"]), str(item.get("generation", "")))
-            for item in out.get("items", [])
-            if token is not None or item["name"] != start_after
-        ]
-        return entries, out.get("nextPageToken")
-
-
-class _B2Pages:
-    """B2 returns up to 10,000 names per call and bills calls (class C): one chain of full
-    pages, as b2sdk's ``ls`` does (3 calls for 24,750 names), not concurrent 1,000-key ranges."""
-
-    tree_ordered = False  # B2 lists file names in UTF-8 byte order
-    page_size: int | None = 10_000
-    split = False
-
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        return await asyncio.to_thread(self._page, prefix, start_after, token, limit)
-
-    def _page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        bucket = self.fs._bucket(self.bucket)
-        start = token if token is not None else start_after  # startFileName is inclusive
-        out = bucket.api.session.list_file_names(bucket.id_, start, limit, prefix)
-        entries = [
-            Listed(item["fileName"], int(item["contentLength"]), str(item["fileId"]))
-            for item in out["files"]
-            if item.get("action", "upload") == "upload"
-            and (token is not None or item["fileName"] != start_after)
-        ]
-        return entries, out.get("nextFileName")
-
-
-_LISTERS: dict[str, Callable[[Any, str], PageLister]] = {
-    "s3": _S3Pages,
-    "gs": _GcsPages,
-    "gcs": _GcsPages,
-    "b2": _B2Pages,
-}
-
-
-def page_lister(
-    scheme: str, fs: AbstractFileSystem, bucket: str, fast: Any = None
-) -> PageLister | None:
-    """A page-at-a-time lister for ``scheme`` (over obstore's ``fast`` store when given), or
-    None where only ``fs.find`` is available."""
-    if fast is not None:
-        return _ObstorePages(fast, _S3Pages(fs, bucket))
-    factory = _LISTERS.get(scheme)
-    return None if factory is None else factory(fs, bucket)
 
 
 def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) -> list[str]:
@@ -273,7 +86,7 @@ async def list_parallel(
                 lister.page(scope, start_after, token, limit), config.timeout
             )
         except TimeoutError:
-            if isinstance(token, _Stream):
+            if isinstance(token, Stream):
                 token.broken = True  # a stream cut off mid-page is not read again
             raise
         answered = True

@@ -1,0 +1,235 @@
+"""The fast path: obstore (a Rust object-store client) in front of s3fs for the same s3:// URLs.
+
+s3fs/botocore spend about 2 ms of CPU per GET; obstore about a quarter of that, which is what
+decides throughput on a small machine (see docs/benchmarks.md); listing a page costs a twentieth
+of botocore's CPU per key. It is used only when obstore is installed and the
+``storage_options`` say everything it needs (explicit keys or AWS_* variables, a known region or
+endpoint); anything else keeps the general s3fs path.
+Retries stay in :mod:`fastload.fetcher` (obstore's own are switched off) so every attempt is
+counted and backed off the same way on every store.
+
+obstore's async runtime does not survive ``fork``: a child forked after the parent used it
+(a DataLoader worker under the default start method) would hang on its first read. Such a child
+takes the s3fs path instead; children started by spawn or forkserver keep the fast path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from fastload.resources import PerProcess
+from fastload.stores._base import (
+    PAGE,
+    Body,
+    ByteRange,
+    Listed,
+    PageLister,
+    Patience,
+    Span,
+    Stream,
+    progressing,
+)
+from fastload.stores._errors import Kind, classify
+from fastload.stores.s3 import S3Store
+
+if TYPE_CHECKING:
+    from fastload.stores import StoreURL
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ObstoreStore", "readable"]
+
+_OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "anon"}
+_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout"}
+
+_stores: PerProcess[tuple[str, str], Any] = PerProcess("obstore clients")
+_runtime = {"started": False, "inherited": False}
+
+
+def _after_fork_in_child() -> None:
+    _runtime["inherited"] = _runtime["inherited"] or _runtime["started"]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _obstore() -> Any:
+    try:
+        importlib.import_module("obstore.store")
+        return importlib.import_module("obstore")
+    except ImportError:
+        return None
+
+
+def _s3_kwargs(options: Mapping[str, Any]) -> dict[str, Any] | None:
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    if set(options) - _OPTIONS or set(client_kwargs) - _CLIENT_KWARGS:
+        return None
+    if set(config_kwargs) - _CONFIG_KWARGS or set(config_kwargs.get("s3", {})) - {
+        "addressing_style"
+    }:
+        return None
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    region = (
+        client_kwargs.get("region_name")
+        or os.environ.get("AWS_REGION")
+        or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    anon = bool(options.get("anon"))
+    has_keys = bool(options.get("key") and options.get("secret")) or bool(
+        os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    )
+    if not (anon or has_keys) or not (region or endpoint):
+        return None  # profiles, SSO, bucket-region discovery: botocore knows them, keep s3fs
+    style = config_kwargs.get("s3", {}).get("addressing_style")
+    kwargs: dict[str, Any] = {
+        "region": region or "us-east-1",
+        "virtual_hosted_style_request": style == "virtual" or (not endpoint and style != "path"),
+        "client_options": {
+            "allow_http": bool(endpoint and str(endpoint).startswith("http://")),
+            "timeout": timedelta(hours=1),  # silence timeouts (read_timeout's role) are fastload's
+            "connect_timeout": timedelta(seconds=config_kwargs.get("connect_timeout", 10)),
+        },
+        "retry_config": {"max_retries": 0, "retry_timeout": timedelta(hours=1)},
+    }
+    if endpoint:
+        kwargs["endpoint"] = str(endpoint)
+    if anon:
+        kwargs["skip_signature"] = True
+    elif options.get("key"):
+        kwargs["access_key_id"] = options["key"]
+        kwargs["secret_access_key"] = options["secret"]
+        if options.get("token"):
+            kwargs["session_token"] = options["token"]
+    return kwargs
+
+
+def _bucket_store(bucket: str, options: Mapping[str, Any], key: str) -> Any | None:
+    """An obstore store for ``s3://bucket`` (cached per process), or None to use s3fs."""
+    obstore = _obstore()
+    if obstore is None:
+        return None
+    if _runtime["inherited"]:
+        log.debug("s3://%s: forked after obstore ran in the parent; fast path off", bucket)
+        return None
+
+    def create() -> Any:
+        kwargs = _s3_kwargs(options)
+        if kwargs is None:
+            log.debug("s3://%s: these storage_options need s3fs; fast path off", bucket)
+            return None
+        _runtime["started"] = True
+        return obstore.store.S3Store(bucket, **kwargs)
+
+    return _stores.get((bucket, key), create)
+
+
+def readable(key: str) -> bool:
+    """Whether obstore can address ``key`` as it is: it refuses empty, ``.`` and ``..`` path
+    segments and control characters, and drops a trailing ``/`` (such keys take the s3fs path)."""
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        return False
+    return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
+
+
+class ObstoreStore:
+    """obstore where it can serve, ``general`` (s3fs) for the rest: buckets whose options it
+    cannot take, suffixes (they need the size), and keys it would rewrite (``a//b``, ``./x``)."""
+
+    def __init__(self, general: S3Store, options: Mapping[str, Any], options_key: str) -> None:
+        self.general, self.options, self.options_key = general, options, options_key
+
+    def _store(self, bucket: str) -> Any | None:
+        return _bucket_store(bucket, self.options, self.options_key)
+
+    async def read(
+        self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
+    ) -> Body:
+        store = self._store(url.bucket)
+        if store is None or not isinstance(span, Span) or not readable(url.key):
+            return await self.general.read(url, span, version, patience)
+        if span.empty:
+            return Body(b"")
+        options: dict[str, Any] = {}
+        if span.end is not None:
+            options["range"] = (span.start, span.end)
+        elif span.start:
+            options["range"] = {"offset": span.start}
+        timeout = patience.timeout
+        obstore = _obstore()
+        result = await asyncio.wait_for(obstore.get_async(store, url.key, options=options), timeout)
+        if patience.whole:
+            data = bytes(await asyncio.wait_for(result.bytes_async(), timeout))
+        else:
+            stream = result.stream(min_chunk_size=patience.chunk)
+            data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))
+        etag = result.meta.get("e_tag")
+        return Body(data, (str(etag).strip('"'),) if etag else ())
+
+    def lister(self, bucket: str) -> PageLister | None:
+        general = self.general.lister(bucket)
+        store = self._store(bucket)
+        return general if store is None or general is None else _ObstorePages(store, general)
+
+
+class _ObstorePages:
+    """S3 pages through obstore.
+
+    obstore renames some keys (a ``sub/`` marker comes back as ``sub``) and refuses others
+    (``a//b``, ``./c``, control characters): a page holding an empty object, or one obstore
+    cannot parse, is asked for again through botocore, which then lists the rest of the range.
+    """
+
+    tree_ordered = True
+    page_size: int | None = None
+    split = True
+
+    def __init__(self, store: Any, general: PageLister) -> None:
+        self.store, self.general = store, general
+
+    async def page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        if not isinstance(token, Stream | None):  # this range went through botocore
+            return await self.general.page(prefix, start_after, token, limit)
+        if token is not None and token.broken:
+            return await self.general.page(prefix, token.last or start_after, None, limit)
+        directory = prefix.rstrip("/") or None
+        if not readable(directory or "x") or not readable(start_after or "x"):
+            return await self.general.page(prefix, start_after, None, limit)
+        # whole pages always: the stream keeps its chunk size for every page it gives, and a
+        # range probed with a small first page would go on 100 keys at a time
+        cursor = token or Stream(
+            _obstore().list(self.store, directory, offset=start_after, chunk_size=PAGE), None
+        )
+        try:
+            rows = await _next_page(cursor.stream)
+        except Exception as exc:
+            if token is None and classify(exc) is Kind.TRANSIENT:
+                raise  # a first page is simply asked for again
+            # a key obstore cannot parse, or a stream that failed midway (it cannot resume)
+            cursor.broken = True
+            return await self.general.page(prefix, cursor.last or start_after, None, limit)
+        if rows is None:
+            return [], None
+        if any(e.size == 0 for e in rows):  # a marker, or a key obstore renamed
+            return await self.general.page(prefix, cursor.last or start_after, None, limit)
+        cursor.last = rows[-1].key if rows else cursor.last
+        return rows, cursor
+
+
+async def _next_page(stream: Any) -> list[Listed] | None:
+    """The stream's next chunk, or None at its end."""
+    try:
+        chunk = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    return [Listed(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
