@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fastload.config import FetchConfig
-from fastload.errors import AccessDeniedError, ObjectNotFoundError
+from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError
 from fastload.fetcher import Fetcher, Request
 from fastload.manifest import Manifest
 from fastload.stores import _listing, _obstore, filesystem, open_store, parse_url
@@ -122,6 +122,12 @@ class FetchConformance:
         spans = [(10, 20), (0, None), (9000, None), (10_200, 10**9), (-7, None), (50, 50), (5, 3)]
         got = self.fetcher(case).fetch([Request(url, a, b) for a, b in spans])
         assert got == [body[a:b] for a, b in spans]
+        # a known size checks the length: a suffix expects min(length, size) bytes
+        sized = [Request(url, a, b, size=len(body)) for a, b in [(-7, None), (-(10**6), None)]]
+        assert self.fetcher(case).fetch(sized) == [body[-7:], body]
+        for a, b in [(-3, 5), (3, -1)]:
+            with pytest.raises(ConfigError, match="Request"):
+                Request(url, a, b)
 
     def test_missing_object_is_named(self, case: Case) -> None:
         case.write({"present.bin": b"here"})
