@@ -178,7 +178,7 @@ class DataLoader(tud.DataLoader[Any]):
         """The sampler (or a user's batch sampler) the indices come from, lookahead unwrapped."""
         custom = self.batch_sampler is not None and self.batch_size is None
         source = self.batch_sampler if custom else self.sampler
-        return source.source if isinstance(source, _Lookahead) else source
+        return source.lookahead_source if isinstance(source, _Lookahead) else source
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self._reshuffle and isinstance(self._order, PermutationSampler):
@@ -481,28 +481,29 @@ class _Lookahead(tud.Sampler[Any]):
     """A sampler (``group``: indices per batch) or batch sampler (``group=0``) as it is, asking
     ``prefetch`` for the batches ``depth`` batches ahead of what the loader has taken.
 
-    Attributes it does not have come from the wrapped ``source`` (``set_epoch``, ``epoch``...),
-    so ``loader.sampler.set_epoch(e)`` works as with torch's loader.
+    Attributes it does not have come from the wrapped ``lookahead_source`` (``set_epoch``,
+    ``epoch``, ``rank``...), so ``loader.sampler.set_epoch(e)`` works as with torch's loader.
     """
 
     def __init__(
         self, source: Any, prefetch: Callable[[Any], Future[None]], depth: int, group: int
     ) -> None:
-        self.source, self.prefetch, self.depth, self.group = source, prefetch, depth, group
+        self.lookahead_source = source
+        self.prefetch, self.depth, self.group = prefetch, depth, group
         self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "source" not in self.__dict__:
+        if name.startswith("__") or "lookahead_source" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.source, name)
+        return getattr(self.lookahead_source, name)
 
     def __len__(self) -> int:
-        return len(self.source)
+        return len(self.lookahead_source)
 
     def __iter__(self) -> Iterator[Any]:
         one = _Pass(self.prefetch, self.depth)
         self.passes.add(one)
-        return one.run(iter(self.source), self.group)
+        return one.run(iter(self.lookahead_source), self.group)
 
     def close(self) -> None:
         for one in list(self.passes):

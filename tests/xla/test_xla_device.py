@@ -62,8 +62,14 @@ def test_a_failing_loader_raises_instead_of_ending_the_epoch() -> None:
     assert len(got) == 1  # torch_xla alone would have ended the epoch here, silently
 
 
-def test_a_sampler_sharded_for_another_world_is_refused() -> None:
-    loader = fastload.DataLoader(range(10), sampler=PermutationSampler(10, rank=1, world_size=2))
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_sampler_sharded_for_another_world_is_refused(cached: bool, tmp_path: Path) -> None:
+    """Also behind the lookahead, which wraps the sampler of a caching dataset."""
+    data: torch.utils.data.Dataset[int] = range(10)  # type: ignore[assignment]
+    if cached:
+        data = fastload.CachedDataset(data, fastload.Cache(tmp_path))
+    loader = fastload.DataLoader(data, sampler=PermutationSampler(10, rank=1, world_size=2))
+    assert (type(loader.sampler).__name__ == "_Lookahead") is cached
     with pytest.raises(ConfigError, match="shard 1/2 but this is XLA ordinal 0 of 1"):
         DeviceLoader(loader, "xla")
 

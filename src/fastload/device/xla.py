@@ -37,6 +37,7 @@ def check_sharding(loader: Iterable[Any]) -> None:
     runtime = torch_xla_module("torch_xla.runtime")
     world, ordinal = int(runtime.world_size()), int(runtime.global_ordinal())
     sampler = getattr(loader, "sampler", None)
+    sampler = getattr(sampler, "lookahead_source", sampler)  # fastload.DataLoader's lookahead
     if isinstance(sampler, PermutationSampler):
         if (sampler.rank, sampler.world_size) != (ordinal, world):
             raise ConfigError(
