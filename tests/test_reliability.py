@@ -311,7 +311,7 @@ def test_r3_four_processes_with_workers_share_one_cache(
     # killed mid-way: no lock stays held, nothing is corrupt, the rest is fetched once
     killed_dir = tmp_path / "killed"
     procs = run_readers(4, root, killed_dir, options, script)
-    time.sleep(3.0)
+    growing(killed_dir, 0, procs[0])  # killed once the readers are filling the cache
     kill_group(procs[0])
     survivors = [json.loads(out) for out in finish(procs)[1:]]
     assert all(r["bad"] == 0 and r["seen"] == list(range(300)) for r in survivors)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -91,7 +92,7 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         self._delivered = 0
         self._passes += 1
-        self._pass_start = self.counters
+        self._pass_start = copy.deepcopy(self.counters)  # a live view for an in-process dataset
         for batch in self.meter.timed(self._batches()):
             self._delivered += 1
             yield batch
