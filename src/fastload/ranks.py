@@ -1,9 +1,10 @@
 """Who this process is among a job's training processes, and work done once for all of them.
 
-One place for both ways a job's processes know each other: ``torch.distributed`` (when its
-process group is initialised) and torch_xla's runtime (under ``torch_xla.launch``, which needs
-no process group). The sampler shards by :func:`rank_world`; :func:`on_rank_zero` lets rank 0
-list a bucket while the others wait and receive its result.
+One place for the ways a job's processes know each other: ``torch.distributed`` (when its
+process group is initialised), torch_xla's runtime (under ``torch_xla.launch``, which needs
+no process group) and, for processes outside any group (the CLI), the launcher's variables.
+The sampler shards by :func:`rank_world`; :func:`on_rank_zero` lets rank 0 list a bucket while
+the others wait and receive its result.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["on_rank_zero", "rank_world"]
+__all__ = ["launcher_rank_world", "on_rank_zero", "rank_world", "xla_rank_world"]
 
 T = TypeVar("T")
 _calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
@@ -43,14 +44,24 @@ def _xla_runtime() -> Any | None:
     return xr
 
 
+def xla_rank_world() -> tuple[int, int] | None:
+    """``(ordinal, world size)`` of torch_xla's runtime, or None when no XLA job runs."""
+    xr = _xla_runtime()
+    return None if xr is None else (int(xr.global_ordinal()), int(xr.world_size()))
+
+
+def launcher_rank_world(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """The rank and world size a launcher exported (torchrun and most: ``RANK``,
+    ``WORLD_SIZE``), for processes that join no process group (the CLI); else ``(0, 1)``."""
+    rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
+    return (int(rank), int(world)) if rank and world else (0, 1)
+
+
 def rank_world() -> tuple[int, int]:
     """``(rank, world size)``: torch.distributed's, else torch_xla's, else ``(0, 1)``."""
     if _torch_distributed():
         return dist.get_rank(), dist.get_world_size()
-    xr = _xla_runtime()
-    if xr is not None:
-        return int(xr.global_ordinal()), int(xr.world_size())
-    return 0, 1
+    return xla_rank_world() or (0, 1)
 
 
 def on_rank_zero(build: Callable[[], T], tag: str = "fastload") -> T:

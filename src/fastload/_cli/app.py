@@ -26,6 +26,7 @@ from fastload.cache.store import CacheFormat
 from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest
+from fastload.ranks import launcher_rank_world
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
 from fastload.transforms import decoder
@@ -131,9 +132,8 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
-    if text is None:  # torchrun and most launchers export these
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        return (int(rank), int(world)) if rank and world else (0, 1)
+    if text is None:
+        return launcher_rank_world()
     index, sep, count = text.partition("/")
     if not (sep and index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
         raise ConfigError(f"--shard must be I/N with 0 <= I < N, got {text!r}")

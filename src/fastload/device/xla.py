@@ -12,6 +12,7 @@ import torch
 
 from fastload.device._batch import map_tensors
 from fastload.errors import ConfigError, MissingExtraError
+from fastload.ranks import xla_rank_world
 from fastload.sampler import PermutationSampler
 
 __all__ = ["check_sharding", "torch_xla_module", "xla_batches", "xla_device"]
@@ -34,8 +35,8 @@ def xla_device(device: torch.device) -> torch.device:
 
 def check_sharding(loader: Iterable[Any]) -> None:
     """Each ordinal must read its own shard: refuse a PermutationSampler sharded otherwise."""
-    runtime = torch_xla_module("torch_xla.runtime")
-    world, ordinal = int(runtime.world_size()), int(runtime.global_ordinal())
+    torch_xla_module("torch_xla.runtime")
+    ordinal, world = xla_rank_world() or (0, 1)
     sampler = getattr(loader, "sampler", None)
     sampler = getattr(sampler, "lookahead_source", sampler)  # fastload.DataLoader's lookahead
     if isinstance(sampler, PermutationSampler):
