@@ -290,7 +290,8 @@ def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
     server = request.getfixturevalue({"s3": "seaweed", "gcs": "gcs", "b2": "b2"}[store])
     root = f"{'gs' if store == 'gcs' else store}://{BUCKET}/saved-{uuid.uuid4().hex[:8]}"
     write(root, server.storage_options(), {f"day 1/{i:03d}.bin": b"x" for i in range(30)})
-    config = FetchConfig(timeout=0.5, retries=0, outage_budget=0)
+    # 2 s of silence (0.5 s timed out the first request of a new client on a loaded machine)
+    config = FetchConfig(timeout=2.0, retries=0, outage_budget=0)
     cache = Cache(tmp_path / "cache")
     with FaultProxy(server.endpoint, flavor=store) as proxy:  # type: ignore[arg-type]
         options = server.storage_options(proxy.endpoint)
@@ -304,7 +305,7 @@ def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
         assert first.listing_check is None and len(first) == 30
         assert list((tmp_path / "cache" / "manifests").glob("*.npz"))
         listing = ("POST",) if store == "b2" else ("GET",)
-        proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0, methods=listing))
+        proxy.set_faults(Faults(stall=1.0, stall_seconds=8.0, methods=listing))
         stalled = dataset()  # a listing now would time out and raise
         assert len(stalled) == 30 and stalled.listing_check is not None
         with pytest.raises(TransientStoreError):
