@@ -32,7 +32,7 @@ from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
-from fastload.stores import StoreURL, filesystem, open_store, parse_url, translate
+from fastload.stores import open_store, parse_url, translate
 from fastload.stores._base import Listed
 from fastload.stores._listing import list_parallel
 from fastload.stores._retry import retrying
@@ -210,8 +210,8 @@ class Manifest(Sequence[Entry]):
         config: FetchConfig,
     ) -> Manifest:
         root = parse_url(url)
-        fs = filesystem(root, storage_options)
-        lister = open_store(root, storage_options).lister(root.bucket) if parallel else None
+        store = open_store(root, storage_options)
+        lister = store.lister(root.bucket) if parallel else None
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
@@ -220,11 +220,11 @@ class Manifest(Sequence[Entry]):
                     loop, list_parallel, lister, prefix, concurrency=concurrency, config=config
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
-            else:  # the filesystem's own find, retried whole as a page would be
+            else:  # the store's find in one call, retried whole as a page would be
                 listed = fsspec.asyn.sync(
                     fsspec.asyn.get_loop(),
                     retrying,
-                    partial(asyncio.to_thread, _find, fs, root),
+                    partial(asyncio.to_thread, store.find, root),
                     give_up=lambda failures, _: failures > config.retries,
                     backoff=config.backoff,
                     max_backoff=config.max_backoff,
@@ -587,19 +587,6 @@ def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:
     return Grouping(str(meta["grouping"]), names, data["group_members"], data["group_ends"])
 
 
-def _find(fs: Any, root: StoreURL) -> list[Listed]:
-    base = fs._strip_protocol(str(root)).rstrip("/")
-    found = fs.find(base, detail=True)
-    return sorted(
-        (
-            Listed(name[len(base) + 1 :], int(info.get("size") or 0), _version(info))
-            for name, info in found.items()
-            if info.get("type", "file") == "file" and name.startswith(base + "/")
-        ),
-        key=lambda e: e.key,
-    )
-
-
 _MARKER_NAMES = (".bzEmpty",)  # what B2's web console writes to make a "folder"
 
 
@@ -614,22 +601,11 @@ def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[
     """The ``size`` and ``version`` the object at ``url`` has now (one stat), named as a
     listing names them."""
     parsed = parse_url(url)
-    fs = filesystem(parsed, storage_options)
-    path = fs._strip_protocol(str(parsed))
-    fs.invalidate_cache(path)  # a listing cached by the client would tell the old version
     try:
-        info = fs.info(path)
+        now = open_store(parsed, storage_options).stat(parsed)
     except Exception as exc:  # translated at the boundary, naming the object
         raise translate(exc, url) from exc
-    return {"size": int(info.get("size") or 0), "version": _version(info)}
-
-
-def _version(info: Mapping[str, Any]) -> str:
-    for field in ("generation", "ETag", "etag", "version", "mtime", "LastModified", "created"):
-        value = info.get(field)
-        if value not in (None, ""):
-            return str(value).strip('"')
-    return ""
+    return {"size": now.size, "version": now.version}
 
 
 def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:

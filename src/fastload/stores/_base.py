@@ -168,7 +168,7 @@ class PageLister(Protocol):
 
 
 class Store(Protocol):
-    """One backend, as fetch and Manifest see it."""
+    """One backend, as fetch and Manifest see it: read a range, list pages, find, stat."""
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
@@ -177,7 +177,13 @@ class Store(Protocol):
         ``TimeoutError`` after ``patience.timeout`` s without progress."""
 
     def lister(self, bucket: str) -> PageLister | None:
-        """``bucket``'s pages, or None where only the filesystem's ``find`` lists it."""
+        """``bucket``'s pages, or None where only :meth:`find` lists it."""
+
+    def find(self, root: StoreURL) -> list[Listed]:
+        """Every object under ``root`` (keys relative to it), sorted, in one blocking call."""
+
+    def stat(self, url: StoreURL) -> Listed:
+        """The object's size and version now (one request), its key as ``url`` names it."""
 
 
 async def progressing(

@@ -4,7 +4,8 @@
 Async filesystems are read on their event loop; blocking ones on a thread pool shared by every
 Fetcher of the process (so their clients' per-thread connections live as long as the process,
 not as short-lived threads), into a buffer whose growth is watched. Local files are read
-directly, with their mtime as the version served. Listing is the filesystem's own ``find``.
+directly, with their mtime as the version served. Listing is the filesystem's own ``find``,
+a stat its ``info``, each naming the version as a listing does.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsspec import AbstractFileSystem
 
@@ -22,6 +24,7 @@ from fastload.resources import PerProcess
 from fastload.stores._base import (
     Body,
     ByteRange,
+    Listed,
     PageLister,
     Patience,
     Span,
@@ -49,6 +52,24 @@ class FsspecStore:
 
     def lister(self, bucket: str) -> PageLister | None:
         return None
+
+    def find(self, root: StoreURL) -> list[Listed]:
+        base = self.path(root).rstrip("/")
+        found = self.fs.find(base, detail=True)
+        return sorted(
+            (
+                Listed(name[len(base) + 1 :], int(info.get("size") or 0), version(info))
+                for name, info in found.items()
+                if info.get("type", "file") == "file" and name.startswith(base + "/")
+            ),
+            key=lambda e: e.key,
+        )
+
+    def stat(self, url: StoreURL) -> Listed:
+        path = self.path(url)
+        self.fs.invalidate_cache(path)  # a listing cached by the client would tell the old one
+        info = self.fs.info(path)
+        return Listed(url.key, int(info.get("size") or 0), version(info))
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
@@ -88,3 +109,12 @@ def _local(path: str, span: Span, sink: io.BytesIO) -> Body:
         while chunk := f.read(_LOCAL_CHUNK if stop is None else min(_LOCAL_CHUNK, stop - f.tell())):
             sink.write(chunk)
     return Body(sink.getvalue(), (str(mtime),))
+
+
+def version(info: Mapping[str, Any]) -> str:
+    """The version an fsspec ``info`` names (a generation, an ETag, a file id, an mtime)."""
+    for field in ("generation", "ETag", "etag", "version", "mtime", "LastModified", "created"):
+        value = info.get(field)
+        if value not in (None, ""):
+            return str(value).strip('"')
+    return ""

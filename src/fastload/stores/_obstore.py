@@ -174,6 +174,12 @@ class ObstoreStore:
         etag = result.meta.get("e_tag")
         return Body(data, (str(etag).strip('"'),) if etag else ())
 
+    def find(self, root: StoreURL) -> list[Listed]:
+        return self.general.find(root)
+
+    def stat(self, url: StoreURL) -> Listed:
+        return self.general.stat(url)
+
     def lister(self, bucket: str) -> PageLister | None:
         general = self.general.lister(bucket)
         store = self._store(bucket)
