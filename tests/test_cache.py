@@ -25,7 +25,7 @@ import torch
 
 from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
 from fastload.cache import formats
-from fastload.cache._locks import FileLock
+from fastload.cache._locks import RangeLock, range_held
 
 FORMATS = ["pt", "npy", "zarr"]
 
@@ -464,15 +464,9 @@ def test_many_processes_missing_the_same_keys_compute_each_once(tmp_path: Path, 
     )
     # the three that did not compute a key read it (hit) or waited for it
     assert sum(int(out.split()[-1]) for out in outputs) == 3 * 8, f"hits+waits: {outputs}"
-    locks = list((root / "locks").rglob("*.lock"))
-    if fmt != "zarr":
-        assert locks == []  # no lock file left behind
-    entries = {p.name.split(".")[0] for p in (root / "entries").glob("*/*/*")}
-    for path in locks:  # zarr readers lock too; their files go with the entry, none stays held
-        assert path.stem in entries
-        lock = FileLock(path)
-        assert lock.acquire(blocking=False)
-        lock.release()
+    locks = list((root / "locks").glob("*.lock"))  # shared: one byte per entry
+    assert locks and not any(range_held(path) for path in locks)  # none stays held
+    assert not list((root / "locks").rglob("*/*.lock"))  # no lock file per entry
 
 
 def test_a_failed_compute_leaves_the_key_to_the_next_caller(tmp_path: Path) -> None:
@@ -658,6 +652,8 @@ def test_prune_evicts_down_to_a_size(tmp_path: Path) -> None:
 def test_a_writer_is_judged_by_its_lock_not_its_pid(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
     live_digest, dead_digest = "a" * 40, "b" * 40
+    live_lock = cache._lock(live_digest)
+    assert isinstance(live_lock, RangeLock)
     # a writer in another PID namespace: its PID means nothing here, but it holds the lock
     live = cache.root / "tmp" / f"{live_digest}.999999999.0badc0de"
     live.write_bytes(b"being written in another container")
@@ -671,9 +667,11 @@ def test_a_writer_is_judged_by_its_lock_not_its_pid(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path;"
-            " from fastload.cache._locks import FileLock;"
-            " FileLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)",
-            str(cache._lock(live_digest).path),
+            " from fastload.cache._locks import RangeLock;"
+            " RangeLock(Path(sys.argv[1]), int(sys.argv[2])).acquire();"
+            " print('held', flush=True); time.sleep(60)",
+            str(live_lock.path),
+            str(live_lock.offset),
         ],
         stdout=subprocess.PIPE,
         text=True,

@@ -8,7 +8,6 @@ printed (run with ``-s`` to see them).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -178,14 +177,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def no_lock_held(cache_dir: Path) -> bool:
-    for path in (cache_dir / "locks").rglob("*.lock"):
-        with open(path, "rb") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            fcntl.flock(handle, fcntl.LOCK_UN)
-    return True
+    from fastload.cache._locks import range_held
+
+    return not any(range_held(path) for path in (cache_dir / "locks").glob("*.lock"))
 
 
 @contextlib.contextmanager

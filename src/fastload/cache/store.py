@@ -5,8 +5,9 @@ Layout under ``root``::
     fastload-cache.json   marker (layout version); a non-empty folder without it is refused
     CACHEDIR.TAG          tells backup tools to skip the folder
     entries/ab/cd/<digest><suffix>   one file (pt, npy) or Zarr group (zarr) per sample
-    locks/ab/<digest>.lock           while a sample is computed (zarr: also while read; these go
-                                     with the entry)
+    locks/ab.lock                    entry locks, one byte per entry (Linux OFD locks): held while
+                                     a sample is computed (zarr: also while read); elsewhere
+                                     locks/ab/<digest>.lock, one file per entry being computed
     tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
     usage-<format>                   bytes of that format's entries and its budget (kept under its
                                      own lock): every process sharing the folder keeps to one budget
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fastload.cache._locks import FileLock, private_dirs
+from fastload.cache._locks import OFD_LOCKS, EntryLock, FileLock, RangeLock, private_dirs
 from fastload.cache._tree import unflatten
 from fastload.cache.formats import FORMATS, Format, ZarrFormat, entry_bytes
 from fastload.errors import CacheError, ConfigError, CorruptEntryError
@@ -244,7 +245,11 @@ class Cache:
         digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:40]
         return self.root / "manifests" / f"{digest}.npz"
 
-    def _lock(self, digest: str) -> FileLock:
+    def _lock(self, digest: str) -> EntryLock:
+        """The entry's lock: a byte of one of 256 shared files (or, without OFD locks, a file
+        of its own, removed by its last exclusive holder)."""
+        if OFD_LOCKS:
+            return RangeLock(self.root / "locks" / f"{digest[:2]}.lock", int(digest[2:10], 16))
         return FileLock(self.root / "locks" / digest[:2] / f"{digest}.lock")
 
     # --- reading ------------------------------------------------------------------------------
@@ -372,21 +377,21 @@ class Cache:
                 out[i] = out[first[digests[i]]]
         return out
 
-    def _claim(self, first: dict[str, int]) -> tuple[dict[int, FileLock], dict[int, FileLock]]:
+    def _claim(self, first: dict[str, int]) -> tuple[dict[int, EntryLock], dict[int, EntryLock]]:
         """Lock what no one else is computing; the rest are someone else's to finish."""
-        ours: dict[int, FileLock] = {}
-        theirs: dict[int, FileLock] = {}
+        ours: dict[int, EntryLock] = {}
+        theirs: dict[int, EntryLock] = {}
         for digest, i in sorted(first.items()):
             lock = self._lock(digest)
             (ours if lock.acquire(blocking=False) else theirs)[i] = lock
         return ours, theirs
 
     def _wait_for(
-        self, theirs: dict[int, FileLock], out: list[Any], digests: list[str]
-    ) -> dict[int, FileLock]:
+        self, theirs: dict[int, EntryLock], out: list[Any], digests: list[str]
+    ) -> dict[int, EntryLock]:
         """Wait (in digest order: no deadlock) for entries others hold; keep those still missing
         (their holder failed, or only read: a zarr reader's shared lock also blocks a claim)."""
-        left: dict[int, FileLock] = {}
+        left: dict[int, EntryLock] = {}
         try:
             for i, lock in theirs.items():
                 lock.acquire()
@@ -407,7 +412,7 @@ class Cache:
         out: list[Any],
         names: Sequence[str],
         digests: list[str],
-        locked: dict[int, FileLock],
+        locked: dict[int, EntryLock],
         compute: Callable[[list[int]], Sequence[Any]],
     ) -> None:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
