@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from benchmarks import cache, gpu, groups, limit, parquet, peers, sampler, stall, stores, volumes
 
+pytestmark = pytest.mark.bench  # about 5 minutes of test time: `-m "not bench"` for a quick loop
+
 
 def test_sampler_benchmark_measures_every_field() -> None:
     ours = sampler.measure("PermutationSampler", 100_000, full_epoch=True, repeats=1)
