@@ -22,7 +22,7 @@ from fsspec import AbstractFileSystem
 from fastload._extras import import_extra
 from fastload.errors import ConfigError
 from fastload.resources import PerProcess
-from fastload.stores._base import WHOLE, ByteRange, Span, Store, Suffix
+from fastload.stores._base import ByteRange, Span, Store, Suffix
 from fastload.stores._errors import Kind, classify, translate
 from fastload.stores._fsspec import FsspecStore
 from fastload.stores._obstore import ObstoreStore
@@ -31,7 +31,6 @@ from fastload.stores.s3 import S3Store
 
 __all__ = [
     "SCHEMES",
-    "WHOLE",
     "ByteRange",
     "Kind",
     "Span",

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FLOOR_RATE",
     "PAGE",
-    "WHOLE",
     "Body",
+    "BucketPages",
     "ByteRange",
     "Listed",
     "PageLister",
@@ -88,7 +88,6 @@ class Suffix:
 
 
 ByteRange = Union[Span, Suffix]  # noqa: UP007 (a runtime alias on Python 3.10)
-WHOLE = Span()
 
 
 def fsspec_offsets(span: ByteRange) -> tuple[int | None, int | None]:
@@ -165,6 +164,19 @@ class PageLister(Protocol):
         """Up to ``limit`` (<= the page size) keys under ``prefix``: the first page after
         ``start_after`` when ``token`` is None, else the page ``token`` continues; and the
         token of the next page (None at the end)."""
+
+
+class BucketPages:
+    """What a :class:`PageLister` over one bucket of a filesystem shares: the bucket, and by
+    default ``PAGE`` keys a page, concurrent key ranges and split points checked as for a
+    file-tree order (S3 emulations list so)."""
+
+    tree_ordered = True
+    page_size: int | None = None
+    split = True
+
+    def __init__(self, fs: Any, bucket: str) -> None:
+        self.fs, self.bucket = fs, bucket
 
 
 class Store(Protocol):

@@ -26,6 +26,7 @@ from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError,
 from fastload.stores._b2get import Downloads
 from fastload.stores._base import (
     Body,
+    BucketPages,
     ByteRange,
     Listed,
     PageLister,
@@ -404,16 +405,14 @@ class B2Store(FsspecStore):
         return B2Pages(self.fs, bucket)
 
 
-class B2Pages:
+class B2Pages(BucketPages):
     """B2 returns up to 10,000 names per call and bills calls (class C): one chain of full
     pages, as b2sdk's ``ls`` does (3 calls for 24,750 names), not concurrent 1,000-key ranges."""
 
+    fs: B2FileSystem
     tree_ordered = False  # B2 lists file names in UTF-8 byte order
     page_size: int | None = 10_000
     split = False
-
-    def __init__(self, fs: B2FileSystem, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
 
     async def page(
         self, prefix: str, start_after: str | None, token: Any, limit: int

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastload.errors import ObjectChangedError
 from fastload.stores._base import (
     Body,
+    BucketPages,
     ByteRange,
     Listed,
     PageLister,
@@ -70,14 +71,7 @@ class GcsStore(FsspecStore):
         return GcsPages(self.fs, bucket)
 
 
-class GcsPages:
-    tree_ordered = True  # real GCS is not, but emulators may be
-    page_size: int | None = None
-    split = True
-
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
+class GcsPages(BucketPages):  # file-tree order: real GCS lists in byte order, emulators may not
     async def page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:

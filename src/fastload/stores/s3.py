@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastload.stores._base import (
     Body,
+    BucketPages,
     ByteRange,
     Listed,
     PageLister,
@@ -62,14 +63,7 @@ class S3Store(FsspecStore):
         return S3Pages(self.fs, bucket)
 
 
-class S3Pages:
-    tree_ordered = True
-    page_size: int | None = None
-    split = True
-
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
+class S3Pages(BucketPages):
     async def page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
