@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, RandomSampler
@@ -253,6 +255,36 @@ def test_forkserver_only_where_it_is_a_drop_in(tmp_path: Path) -> None:
         check=True,
     )
     assert done.stdout.strip() == f"{list(range(12))} None"
+
+
+class ParentHasTorch(Dataset[int]):
+    """Sample i: whether the worker's parent process (the forkserver) has torch's library mapped."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return int("libtorch" in Path(f"/proc/{os.getppid()}/maps").read_text())
+
+
+def test_forkserver_workers_start_with_torch_imported() -> None:
+    """Python's forkserver does not preload ``__main__`` (3.11, 3.12): without fastload's preload
+    each worker imported torch itself, 5 s for 8 workers at every loader's start on a GPU host."""
+    loader = fastload.DataLoader(ParentHasTorch(), batch_size=None, num_workers=1)
+    assert loader.multiprocessing_context is multiprocessing.get_context("forkserver")
+    assert [int(v) for v in loader] == [1, 1]
+
+
+def test_workers_fork_for_datasets_of_tensors_or_large_arrays() -> None:
+    """forkserver sends every tensor storage as a file descriptor ("too many fds" past ~250, the
+    first GPU run's failure) and every worker its own copy of a large dataset: fork shares."""
+    tensors = [torch.full((2,), float(i)) for i in range(300)]
+    loader = fastload.DataLoader(tensors, batch_size=50, num_workers=2)
+    assert loader.multiprocessing_context is None
+    assert sorted(int(v) for batch in loader for v in batch[:, 0]) == list(range(300))
+    big = [np.zeros(2**20, np.float64) for _ in range(9)]  # 72 MiB
+    assert _fork_safe_context(big) is None
+    assert _fork_safe_context(big[:1]) is multiprocessing.get_context("forkserver")
 
 
 @pytest.fixture

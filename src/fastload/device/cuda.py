@@ -1,7 +1,9 @@
 """CUDA prefetch: pinned host memory, copies on a side stream, event-ordered hand-over.
 
-Batch k+1 (and up to ``prefetch`` batches) is copied on a side stream while the loop computes
-on batch k. Before a batch is handed out, the compute stream waits on the copy's event (so it
+Batches k+1 to k+``prefetch`` are copied on a side stream while the loop computes on batch k.
+The first batch goes out as soon as its copy is queued (not after ``prefetch`` more arrive);
+later ones are fetched when the loop asks for its next batch, after it has queued its step on
+the last. Before a batch is handed out, the compute stream waits on the copy's event (so it
 never reads a batch early) and each tensor is ``record_stream``-ed onto the compute stream (so
 the caching allocator does not reuse its memory while compute still reads it).
 """
@@ -50,7 +52,8 @@ def cuda_batches(
             event.record(side)
         pending.append((on_device, moved, event))
 
-    for batch in islice(batches, max(1, prefetch)):
+    ahead = max(1, prefetch)
+    for batch in islice(batches, 1):  # the first batch goes out without waiting for more
         issue(batch)
     while pending:
         on_device, moved, event = pending.popleft()
@@ -58,10 +61,7 @@ def cuda_batches(
         compute.wait_event(event)
         for tensor in moved:
             tensor.record_stream(compute)
-        following = next(batches, _END)
-        if following is not _END:
-            issue(following)
         yield on_device
-
-
-_END = object()
+        # the loop has queued its step on this batch: fetch and copy while that runs
+        for batch in islice(batches, ahead + 1 - len(pending)):
+            issue(batch)
