@@ -17,7 +17,8 @@ Readers (batch 32, shuffled). Every peer runs at each DataLoader worker count in
   ``worker_init_fn`` that drops the boto3 client a forked worker inherits (its known fork issue);
 - WebDataset over ``TAR_SHARDS`` tar shards on the store, with its shard cache (S3 only);
 - fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults;
-- fastload ``RemoteDataset(shards="tar")`` over the same tar shards, read in place.
+- fastload ``RemoteDataset(shards="tar")`` over the same tar shards, read in place;
+- fastload as above at each worker count (S3 only): how its rates scale, not compared as a peer.
 
 Conversions (LitData chunks, MDS shards, tar shards) are done the fast way a user would: every
 object read concurrently straight from the store (not through the latency proxy), written
@@ -71,7 +72,14 @@ from fastload.transforms import QuantileNormalize, Resize, compose
 PEER_WORKERS = (0, 2, 4)
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"s3": "s3", "gcs": "gs", "b2": "b2"}
-S3_ONLY = ("s3torchconnector", "litdata", "mosaic", "webdataset", "fastload-tar")
+S3_ONLY = (
+    "s3torchconnector",
+    "litdata",
+    "mosaic",
+    "webdataset",
+    "fastload-tar",
+    "fastload-workers",
+)
 TAR_SHARDS = 20
 # litdata 0.2.76 decodes a window of ~107 rows of a chunk and keeps one window: a shuffled epoch
 # over 64 MB chunks (427 rows here) refills it for almost every sample (~100 samples/s warm);
@@ -259,7 +267,7 @@ def _fastload_tar(spec: Spec) -> Iterable[Any]:
     return fastload.DataLoader(dataset, batch_size=spec.batch, shuffle=True)
 
 
-def _fastload(spec: Spec) -> Iterable[Any]:
+def _fastload(spec: Spec, *, chosen_workers: bool = False) -> Iterable[Any]:
     dataset = RemoteDataset(
         Manifest.load(spec.manifest),
         decode="npy",
@@ -267,7 +275,8 @@ def _fastload(spec: Spec) -> Iterable[Any]:
         cache=Cache(f"{spec.workdir}/fastload", format=spec.cache_format),  # type: ignore[arg-type]
         storage_options=spec.options,
     )
-    return fastload.DataLoader(dataset, batch_size=spec.batch, shuffle=True)
+    workers = spec.workers if chosen_workers else None
+    return fastload.DataLoader(dataset, batch_size=spec.batch, shuffle=True, num_workers=workers)
 
 
 READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
@@ -278,12 +287,17 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
     "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store)", _mosaic),
     "webdataset": (f"WebDataset ({TAR_SHARDS} tar shards, shard cache)", _webdataset),
     "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
+    "fastload-workers": (
+        "fastload, the same at a chosen worker count",
+        partial(_fastload, chosen_workers=True),
+    ),
     "fastload-tar": (
         f"fastload RemoteDataset(shards='tar') over the {TAR_SHARDS} tar shards, same defaults",
         _fastload_tar,
     ),
 }
 OURS = ("fastload", "fastload-tar")
+SWEEPS = ("fastload-workers",)  # fastload at each worker count: how it scales, not a peer
 PER_OBJECT = ("torch", "filecache", "s3torchconnector")
 
 
@@ -555,10 +569,11 @@ def with_ratios(rows: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
 def with_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each fastload row's cold and warm rates against the best peer of its store, each peer
     at its best worker count (named), appended to the rows."""
+    ours = {READERS[r][0] for r in OURS + SWEEPS}
     for row in rows:
-        if row["reader"] not in {READERS[r][0] for r in OURS} or "cold samples/s" not in row:
+        if row["reader"] not in ours or row["workers"] != "defaults" or "cold samples/s" not in row:
             continue
-        peers = [p for p in rows if p["store"] == row["store"] and p["workers"] != "defaults"]
+        peers = [p for p in rows if p["store"] == row["store"] and p["reader"] not in ours]
         for kind in ("cold", "warm"):
             column = f"{kind} samples/s"
             best = max((p for p in peers if column in p), key=lambda p: p[column], default=None)
@@ -584,7 +599,8 @@ def peer_rows(
 
 def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     if quick:  # S3, no conversions: the smoke tests run every reader on every store
-        return peer_rows(32, {"s3": 1}, progress, ("torch", "s3torchconnector", "fastload"), (2,))
+        readers = ("torch", "s3torchconnector", "fastload", "fastload-workers")
+        return peer_rows(32, {"s3": 1}, progress, readers, (2,))
     return peer_rows(2000, {"s3": 3, "gcs": 1, "b2": 1}, progress)
 
 

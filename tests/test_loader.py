@@ -275,6 +275,30 @@ def test_forkserver_workers_start_with_torch_imported() -> None:
     assert [int(v) for v in loader] == [1, 1]
 
 
+def test_the_forkserver_starts_with_the_loader_not_the_first_batch(tmp_path: Path) -> None:
+    """Its imports (1.5 s here, 4 s on a GPU host) overlap the script's own set-up."""
+    script = tmp_path / "construct_only.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, fastload
+            from pathlib import Path
+
+            if __name__ == "__main__":
+                loader = fastload.DataLoader(list(range(8)), batch_size=4, num_workers=2)
+                me = os.getpid()
+                children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+                lines = [Path(f"/proc/{c}/cmdline").read_bytes() for c in children]
+                print(loader.multiprocessing_context, any(b"forkserver" in x for x in lines))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split()[-1] == "True", done.stdout
+
+
 def test_workers_fork_for_datasets_of_tensors_or_large_arrays() -> None:
     """forkserver sends every tensor storage as a file descriptor ("too many fds" past ~250, the
     first GPU run's failure) and every worker its own copy of a large dataset: fork shares."""

@@ -21,6 +21,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -366,7 +367,8 @@ def _fork_safe_context(*parts: object) -> Any:
     about 250 fail with "too many fds"), where forked workers share the parent's memory.
     The forkserver preloads torch and fastload (Python's own preload of ``__main__`` does not
     happen in 3.11 and 3.12), else every worker imports torch itself: 5 s for 8 workers on a
-    16-core GPU machine, at every loader's start.
+    16-core GPU machine, at every loader's start. The forkserver starts here, so its imports
+    overlap what the script does before its first batch (building a model, say).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
@@ -381,6 +383,7 @@ def _fork_safe_context(*parts: object) -> Any:
         return None
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
+    forkserver.ensure_running()  # its imports overlap what the script does before iterating
     return context
 
 
