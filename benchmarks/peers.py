@@ -288,7 +288,7 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
     "webdataset": (f"WebDataset ({TAR_SHARDS} tar shards, shard cache)", _webdataset),
     "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
     "fastload-workers": (
-        "fastload, the same at a chosen worker count",
+        "fastload RemoteDataset + npy cache at a chosen worker count",
         partial(_fastload, chosen_workers=True),
     ),
     "fastload-tar": (

@@ -19,7 +19,15 @@ import struct
 from pathlib import Path
 from typing import Union
 
-__all__ = ["OFD_LOCKS", "EntryLock", "FileLock", "RangeLock", "private_dirs", "range_held"]
+__all__ = [
+    "OFD_LOCKS",
+    "EntryLock",
+    "FileLock",
+    "RangeLock",
+    "lock_whole",
+    "private_dirs",
+    "range_held",
+]
 
 OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")  # Linux >= 3.15; elsewhere a file per key
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, length, pid
@@ -107,6 +115,22 @@ class RangeLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def lock_whole(fd: int, *, shared: bool) -> bool:
+    """Lock the whole open file ``fd`` (opened for reading and writing) without waiting; False
+    when someone else holds it. Held until ``fd`` is closed."""
+    try:
+        if OFD_LOCKS:
+            kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0))
+        else:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return False
+        raise
+    return True
 
 
 def range_held(path: Path) -> bool:

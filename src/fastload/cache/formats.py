@@ -43,7 +43,7 @@ from fastload.cache._tree import Leaf, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
-__all__ = ["FORMATS", "Format", "ZarrArray"]
+__all__ = ["FORMATS", "FileFormat", "Format", "ZarrArray"]
 
 _MAGIC = b"FLCACHE2"
 _PREFIX = struct.Struct("<8sQQ")  # magic, header length, name length
@@ -88,7 +88,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-class _FileFormat(Format):
+class FileFormat(Format):
     """The single-file container shared by ``pt`` and ``npy``."""
 
     @abstractmethod
@@ -98,36 +98,50 @@ class _FileFormat(Format):
     def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]: ...
 
     def write(self, sample: Any, name: str, path: Path) -> int:
+        pieces = self.encode(sample, name)
+        with _create(path) as out:
+            for piece in pieces:
+                out.write(piece)
+        return sum(memoryview(piece).nbytes for piece in pieces)
+
+    def encode(self, sample: Any, name: str) -> list[bytes | memoryview]:
+        """The entry's bytes, in pieces to write one after another (a file or a segment)."""
         spec, leaves = flatten(sample)
         meta, blobs = self._encode(leaves)
         header = json.dumps({"format": self.name, "spec": spec, **meta}).encode()
         named = name.encode("utf-8", "surrogatepass")
         prefix = _PREFIX.pack(_MAGIC, len(header), len(named))
-        with _create(path) as out:
-            out.write(prefix)
-            out.write(header)
-            out.write(named)
-            crc = crc32c(named, crc32c(header, crc32c(prefix)))
-            position = len(prefix) + len(header) + len(named)
-            for blob in blobs:
-                pad = bytes(_aligned(position) - position)
-                out.write(pad)
-                out.write(blob)
-                crc = crc32c(blob, crc32c(pad, crc))
-                position = _aligned(position) + blob.nbytes
-            out.write(_FOOTER.pack(crc, _END))
-        return position + _FOOTER.size
+        pieces: list[bytes | memoryview] = [prefix, header, named]
+        crc = crc32c(named, crc32c(header, crc32c(prefix)))
+        position = len(prefix) + len(header) + len(named)
+        for blob in blobs:
+            pad = bytes(_aligned(position) - position)
+            pieces += [pad, blob]
+            crc = crc32c(blob, crc32c(pad, crc))
+            position = _aligned(position) + blob.nbytes
+        pieces.append(_FOOTER.pack(crc, _END))
+        return pieces
 
     def read(self, path: str | Path) -> Any:
-        buffer = _read_checked(path)
-        header, start = _parse_header(buffer, path, named=False)
+        return self.decode(_read_checked(path), path)
+
+    def decode(self, buffer: np.ndarray, where: str | Path) -> Any:
+        """The sample in an entry's bytes (a writable uint8 array); ``where`` names it in
+        errors. :class:`CorruptEntryError` when it fails its checksum or does not parse."""
+        _check(buffer, where)
+        header, start = _parse_header(buffer, where, named=False)
         try:
             blobs = self._blobs(buffer, header["sizes"], start)
             return unflatten(header["spec"], self._decode(header, blobs))
         except Exception as exc:  # the checksum passed: another format or version wrote it
             raise CorruptEntryError(
-                f"cache entry does not decode ({type(exc).__name__}): {path}"
+                f"cache entry does not decode ({type(exc).__name__}): {where}"
             ) from exc
+
+    def name_in(self, buffer: np.ndarray, where: str) -> str:
+        """The name in an entry's bytes (for reports), unchecked."""
+        header, _ = _parse_header(buffer, where)
+        return str(header.get("name", ""))
 
     @staticmethod
     def _blobs(buffer: np.ndarray, sizes: list[int], position: int) -> list[np.ndarray]:
@@ -164,25 +178,33 @@ def _create(path: Path) -> io.BufferedWriter:
 
 
 def _read_checked(path: str | Path) -> np.ndarray:
-    """The whole file as a writable uint8 array, after its checksum matched. (Plain
-    descriptors: a file object cost a warm read of a 77 KB entry a sixth of its time.)"""
+    """The whole file as a writable uint8 array. (Plain descriptors: a file object cost a warm
+    read of a 77 KB entry a sixth of its time.)"""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size < _PREFIX.size + _FOOTER.size:
-            raise CorruptEntryError(f"cache entry is truncated ({size} bytes): {path}")
-        buffer = np.empty(size, np.uint8)
-        view, got = buffer.data, 0
-        while got < size and (count := os.readv(fd, [view[got:]])):
-            got += count
-        if got != size:
-            raise CorruptEntryError(f"cache entry changed while read: {path}")
+        return read_at(fd, 0, os.fstat(fd).st_size, path)
     finally:
         os.close(fd)
+
+
+def read_at(fd: int, offset: int, size: int, where: str | Path) -> np.ndarray:
+    """``size`` bytes at ``offset`` of ``fd`` as a writable uint8 array."""
+    if size < _PREFIX.size + _FOOTER.size:
+        raise CorruptEntryError(f"cache entry is truncated ({size} bytes): {where}")
+    buffer = np.empty(size, np.uint8)
+    view, got = buffer.data, 0
+    while got < size and (count := os.preadv(fd, [view[got:]], offset + got)):
+        got += count
+    if got != size:
+        raise CorruptEntryError(f"cache entry is truncated or changed while read: {where}")
+    return buffer
+
+
+def _check(buffer: np.ndarray, where: str | Path) -> None:
+    size = buffer.nbytes
     crc, end = _FOOTER.unpack_from(buffer.data, size - _FOOTER.size)
     if end != _END or crc32c(buffer[: size - _FOOTER.size].data) != crc:
-        raise CorruptEntryError(f"cache entry fails its checksum: {path}")
-    return buffer
+        raise CorruptEntryError(f"cache entry fails its checksum: {where}")
 
 
 _parsed: dict[bytes, dict[str, Any]] = {}
@@ -238,7 +260,7 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-class PtFormat(_FileFormat):
+class PtFormat(FileFormat):
     name = "pt"
     suffix = ".flpt"
 
@@ -273,7 +295,7 @@ def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
         ) from exc
 
 
-class NpyFormat(_FileFormat):
+class NpyFormat(FileFormat):
     name = "npy"
     suffix = ".flnpy"
 

@@ -4,7 +4,10 @@ Layout under ``root``::
 
     fastload-cache.json   marker (layout version); a non-empty folder without it is refused
     CACHEDIR.TAG          tells backup tools to skip the folder
-    entries/ab/cd/<digest><suffix>   one file (pt, npy) or Zarr group (zarr) per sample
+    segments/<id><suffix>            pt and npy entries, many to a file (see cache/_packed.py)
+    index/<ab><suffix>               where each pt or npy entry is in the segments
+    entries/ab/cd/<digest><suffix>   one Zarr group per zarr entry (and pt/npy entries of
+                                     earlier versions, still read, one file each)
     locks/ab.lock                    entry locks, one byte per entry (Linux OFD locks): held while
                                      a sample is computed (zarr: also while read); elsewhere
                                      locks/ab/<digest>.lock, one file per entry being computed
@@ -14,9 +17,10 @@ Layout under ``root``::
     manifests/<digest>.npz           saved listings of the datasets using this cache (not entries:
                                      ``clear`` and the budget leave them)
 
-A sample's file name is a hash of its name and the format, so no name can reach outside
-``root``. Readers never see a partial entry (entries appear by rename); a crashed writer leaves
-only a file in tmp/, which the next Cache removes once no one holds the entry's lock. The
+A sample's digest is a hash of its name and the format, so no name can reach outside ``root``.
+Readers never see a partial entry (segment entries appear by their index record, written after
+their bytes; zarr entries by rename); a crashed writer leaves unindexed bytes in its segment or
+a file in tmp/, which the next Cache removes once no one holds the entry's lock. The
 cache deletes only what it wrote: names it made, in folders it made, never through a symlink.
 """
 
@@ -38,8 +42,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastload.cache._locks import OFD_LOCKS, EntryLock, FileLock, RangeLock, private_dirs
+from fastload.cache._packed import SEGMENT_BYTES, Packed
 from fastload.cache._tree import unflatten
-from fastload.cache.formats import FORMATS, Format, ZarrFormat, entry_bytes
+from fastload.cache.formats import FORMATS, FileFormat, Format, ZarrFormat, entry_bytes
 from fastload.errors import CacheError, ConfigError, CorruptEntryError
 from fastload.stats import CacheStats
 
@@ -52,7 +57,9 @@ _LAYOUT = 1
 _MARKER = "fastload-cache.json"
 _TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to delete\n"
 _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
-_SUBDIRS = ("entries", "locks", "tmp")
+_SUBDIRS = ("entries", "locks", "tmp", "segments", "index")
+_NEWER_SUBDIRS = ("segments", "index")  # a read-only cache of an earlier version lacks them
+_SEGMENTS_PER_BUDGET = 16  # a budget's segments are at most 1/16 of it: eviction can keep to it
 _DIGEST = re.compile(r"[0-9a-f]{40}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _TMP_NAME = re.compile(r"([0-9a-f]{40})\.\d+\.[0-9a-f]{8}")
@@ -74,6 +81,7 @@ class _Entry:
     path: str
     size: int
     used: float  # last read or write (mtime)
+    segment: bool = False  # a segment of packed entries (digest ""), not one entry
 
 
 class Cache:
@@ -115,6 +123,8 @@ class Cache:
         self.max_bytes = max_bytes
         self.counters = CacheStats()
         self._layout: Format = FORMATS[format]()
+        layout = self._layout
+        self._packed = Packed(self.root, layout) if isinstance(layout, FileFormat) else None
         self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
         self.read_only = bool(read_only) or (read_only is None and self._unwritable())
@@ -125,6 +135,19 @@ class Cache:
         else:
             self._prepare()
         self._adopt_budget(max_bytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_packed"] = None if self._packed is None else True  # open files stay here
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if state["_packed"] is not None:
+            self._packed = Packed(self.root, self._layout)  # type: ignore[arg-type]
+
+    def __bool__(self) -> bool:
+        return True  # a handle: ``if cache:`` must not count the entries on disk
 
     def __repr__(self) -> str:
         extra = ", read_only=True" if self.read_only else ""
@@ -208,6 +231,8 @@ class Cache:
         """entries/, locks/ and tmp/ must be real folders: the cache deletes inside them, and
         a symlink would lead it out of its root."""
         for sub in _SUBDIRS:
+            if sub in _NEWER_SUBDIRS and not os.path.lexists(self.root / sub):
+                continue
             if not _real_dir(self.root / sub):
                 raise CacheError(
                     f"{self.root / sub} is a symlink or not a folder; a cache never follows "
@@ -259,6 +284,10 @@ class Cache:
 
         ``held``: the caller holds the name's exclusive lock.
         """
+        if self._packed is not None:
+            value = self._load_packed(digest, held)
+            if value is not _MISSING:
+                return value
         path = self._path(digest)
         try:
             value = self._read(digest, path, held)
@@ -271,6 +300,34 @@ class Cache:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)  # mtime orders eviction (least recently used first)
         return value
+
+    def _load_packed(self, digest: str, held: bool) -> Any:
+        assert self._packed is not None
+        touch = self.max_bytes is not None and not self.read_only
+        try:
+            found = self._packed.read(digest, touch=touch)
+            if found is None:
+                return _MISSING
+            return self._packed.layout.decode(*found)
+        except CorruptEntryError as exc:
+            self._discard_packed(digest, exc, held)
+            return _MISSING
+
+    def _discard_packed(self, digest: str, why: Exception, held: bool) -> None:
+        assert self._packed is not None
+        if self.read_only:
+            log.warning("a corrupt cache entry (read only: not deleted): %s", why)
+            return
+        lock = self._lock(digest)
+        if not held and not lock.acquire(blocking=False):
+            return  # its holder is rewriting it
+        try:
+            self._packed.remove(digest)
+        finally:
+            if not held:
+                lock.release(remove=True)
+        self.counters.repairs += 1
+        log.warning("dropped a corrupt cache entry (it will be recomputed): %s", why)
 
     def _read(self, digest: str, path: str, held: bool = False) -> Any:
         if held or not self._layout.directory or self.read_only:  # read only: no eviction
@@ -306,7 +363,12 @@ class Cache:
         return default if value is _MISSING else value
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and os.path.exists(self._path(self._digest(name)))
+        if not isinstance(name, str):
+            return False
+        digest = self._digest(name)
+        if self._packed is not None and self._packed.holds(digest):
+            return True
+        return os.path.exists(self._path(digest))
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[Any]:
@@ -449,6 +511,9 @@ class Cache:
             lock.release(remove=True)
 
     def _store(self, digest: str, name: str, sample: Any) -> None:
+        if self._packed is not None:
+            self._store_packed(digest, name, sample)
+            return
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             size = self._layout.write(sample, name, tmp)
@@ -476,6 +541,33 @@ class Cache:
             ) from exc
         finally:
             _remove(tmp)
+        self.counters.writes += 1
+        self.counters.bytes_written += size
+
+    def _store_packed(self, digest: str, name: str, sample: Any) -> None:
+        assert self._packed is not None
+        pieces = self._packed.layout.encode(sample, name)
+        size = sum(memoryview(piece).nbytes for piece in pieces)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.counters.oversize += 1
+            self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
+            return
+        limit = SEGMENT_BYTES
+        if self.max_bytes is not None:
+            limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
+        try:
+            self._packed.append(digest, pieces, limit)
+            path = self._path(digest)
+            with self._usage() as used:
+                self.max_bytes = used[1] or None  # the folder's, as another process set it
+                stale = _remove(path) if self._in_root(path) else 0  # an earlier version's
+                used[0] += size - stale
+                if self.max_bytes is not None and used[0] > self.max_bytes:
+                    used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
+        except OSError as exc:
+            raise CacheError(
+                f"cannot write the cache entry for {name} in {self.root} ({_why(exc)})"
+            ) from exc
         self.counters.writes += 1
         self.counters.bytes_written += size
 
@@ -545,21 +637,37 @@ class Cache:
         return _real_dir(inner) and _real_dir(os.path.dirname(inner))
 
     def _entries(self) -> Iterator[_Entry]:
+        """Entries in files of their own, then segments (each a unit of eviction)."""
         for item in self._files():
             with contextlib.suppress(FileNotFoundError):
                 size = entry_bytes(item.path, self._layout.directory)
                 yield _Entry(item.name.split(".")[0], item.path, size, item.stat().st_mtime)
+        if self._packed is not None:
+            for item in self._packed.segment_files():
+                with contextlib.suppress(FileNotFoundError):
+                    found = item.stat(follow_symlinks=False)
+                    yield _Entry("", item.path, found.st_size, found.st_mtime, segment=True)
 
     def _scan_bytes(self) -> int:
         return sum(e.size for e in self._entries())
 
     def _evict(self, target: int) -> int:
-        """Delete least recently used entries until at most ``target`` bytes remain; the rest."""
+        """Delete least recently used entries (pt, npy: segments of them) until at most
+        ``target`` bytes remain; the rest. This process's open segment is finished first, so it
+        can go too; another process's stays until it finishes it."""
+        if self._packed is not None:
+            self._packed.seal()
         entries = sorted(self._entries(), key=lambda e: e.used)
         total = sum(e.size for e in entries)
         for entry in entries:
             if total <= target:
                 break
+            if entry.segment:
+                assert self._packed is not None
+                freed, held = self._packed.remove_segment(entry.path)
+                total -= freed
+                self.counters.evictions += held
+                continue
             lock = self._lock(entry.digest)
             if not lock.acquire(blocking=False):
                 continue  # being read (zarr) or rewritten: never pulled from under a reader
@@ -579,7 +687,8 @@ class Cache:
         return {**self.counters.snapshot(), "used_bytes": size, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._files())  # no sizes needed: no stat per entry
+        packed = 0 if self._packed is None else self._packed.count()
+        return packed + sum(1 for _ in self._files())  # no sizes needed: no stat per entry
 
     def delete(self, name: str) -> bool:
         """Remove ``name``'s entry; False when there was none."""
@@ -589,16 +698,21 @@ class Cache:
         path = self._path(digest)
         lock.acquire()
         try:
+            packed = self._packed is not None and self._packed.holds(digest)
+            if packed:
+                self._packed.remove(digest)  # type: ignore[union-attr]  # bytes go with the segment
             freed = _remove(path) if self._in_root(path) else 0
         finally:
             lock.release(remove=True)
         self._add_usage(-freed)
-        return freed > 0
+        return packed or freed > 0
 
     def verify(self) -> VerifyReport:
         """Read every entry in full; delete the corrupt ones (they are recomputed on next use)."""
         report = VerifyReport()
         for entry in self._entries():
+            if entry.segment:
+                continue  # its entries are checked one by one below
             report.checked += 1
             try:
                 self._read(entry.digest, entry.path)
@@ -608,11 +722,27 @@ class Cache:
                 report.corrupt.append(self._name_of(entry.path))
                 report.removed_bytes += entry.size
                 self._discard(entry.digest, entry.path, exc)
+        if self._packed is not None:
+            self._verify_packed(report)
         if not self.read_only:
             self._remove_stale_tmp()
         with self._usage() as used:
             used[0] = self._scan_bytes()
         return report
+
+    def _verify_packed(self, report: VerifyReport) -> None:
+        assert self._packed is not None
+        for digest, where, label in self._packed.live():
+            report.checked += 1
+            try:
+                found = self._packed.read(digest, touch=False)
+                if found is None:
+                    continue
+                self._packed.layout.decode(*found)
+            except CorruptEntryError as exc:
+                report.corrupt.append(self._packed.name_of(where, label))
+                report.removed_bytes += where.length
+                self._discard_packed(digest, exc, held=False)
 
     def _name_of(self, path: str) -> str:
         try:
@@ -636,12 +766,15 @@ class Cache:
         format's byte count goes back to zero with them."""
         self._writable("clear")
         self._check_subdirs()
+        if self._packed is not None:
+            self._packed.close()
+            self._packed = Packed(self.root, self._packed.layout)
         counters = sorted(self.root.glob("usage-*"))
         locks = [FileLock(path) for path in counters]
         for lock in locks:  # in name order: two clears never wait on each other
             lock.acquire()
         try:
-            for sub in ("entries", "locks"):
+            for sub in ("entries", "locks", "segments", "index"):
                 shutil.rmtree(self.root / sub, ignore_errors=True)
                 (self.root / sub).mkdir(mode=0o700)
             for path in counters:
