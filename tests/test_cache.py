@@ -595,6 +595,24 @@ def test_small_entries_share_segments_not_a_file_and_block_each(tmp_path: Path) 
         assert np.array_equal(cache.get(f"s3://b/run/{i:06d}.npy"), events[i])
 
 
+def test_an_entry_read_for_another_name_is_never_returned(tmp_path: Path) -> None:
+    """The index pointing at a valid entry of another sample (a misfiled record, a reused
+    descriptor) must not hand that sample out: the entry's own name is checked."""
+    cache = Cache(tmp_path, format="npy")
+    assert cache._packed is not None
+    cache._packed.append(cache._digest("b"), cache._packed.layout.encode(np.arange(3), "a"))
+    assert cache.get("b") is None and cache.counters.repairs == 1
+
+
+def test_a_sample_of_many_leaves_is_written_whole(tmp_path: Path) -> None:
+    """Over 1,024 pieces: more than one writev takes."""
+    cache = Cache(tmp_path, format="npy")
+    sample = {f"leaf{i}": np.full(3, i, np.int16) for i in range(700)}
+    cache.put("many", sample)
+    got = cache.get("many")
+    assert all(np.array_equal(got[k], v) for k, v in sample.items()) and len(got) == 700
+
+
 def test_a_budget_keeps_segments_small_and_evicts_them_whole(tmp_path: Path) -> None:
     cache = Cache(tmp_path, format="npy", max_bytes=160_000)  # segments of <= 10 KB
     for i in range(100):

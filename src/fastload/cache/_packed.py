@@ -43,6 +43,7 @@ SEGMENT_BYTES = 256 * 2**20
 """A writer starts a new segment past this size (eviction frees space a segment at a time)."""
 _RECORD = struct.Struct("<20sQQQI")  # digest, segment id, offset, length, CRC32C of the rest
 _OPEN_SEGMENTS = 64  # read descriptors kept open per process
+_IOV_MAX = 1024  # buffers one writev takes (Linux)
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,16 @@ class Packed:
                 return None
             label = f"{self._segment_path(where.segment)}@{where.offset}"
             try:
-                fd = self._segment_fd(where.segment)
+                with self._guard():  # no other thread closes (and reuses) the descriptor meanwhile
+                    fd = self._segment_fd(where.segment)
+                    buffer = read_at(fd, where.offset, where.length, label)
             except FileNotFoundError:
                 self._forget(digest)
                 continue
             if touch:
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(self._segment_path(where.segment))
-            return read_at(fd, where.offset, where.length, label), label
+            return buffer, label
         return None
 
     def holds(self, digest: str) -> bool:
@@ -140,25 +143,25 @@ class Packed:
         """The name an entry was written under, read even from a damaged one when its header
         survived (else where it is)."""
         try:
-            fd = self._segment_fd(where.segment)
-            buffer = np.frombuffer(os.pread(fd, where.length, where.offset), np.uint8)
-            return self.layout.name_in(buffer, label)
+            with self._guard():
+                raw = os.pread(self._segment_fd(where.segment), where.length, where.offset)
+            return self.layout.name_in(np.frombuffer(raw, np.uint8), label)
         except (OSError, CorruptEntryError):
             return label
 
     def _segment_fd(self, segment: int) -> int:
-        with self._guard():
-            fd = self._fds.get(segment)
-            if fd is not None and os.fstat(fd).st_nlink:
-                self._fds.move_to_end(segment)
-                return fd
-            if fd is not None:  # evicted or cleared since it was opened
-                os.close(self._fds.pop(segment))
-            fd = os.open(self._segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
-            self._fds[segment] = fd
-            if len(self._fds) > _OPEN_SEGMENTS:
-                os.close(self._fds.popitem(last=False)[1])
+        """An open descriptor of the segment (the caller holds the lock)."""
+        fd = self._fds.get(segment)
+        if fd is not None and os.fstat(fd).st_nlink:
+            self._fds.move_to_end(segment)
             return fd
+        if fd is not None:  # evicted or cleared since it was opened
+            os.close(self._fds.pop(segment))
+        fd = os.open(self._segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
+        self._fds[segment] = fd
+        if len(self._fds) > _OPEN_SEGMENTS:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
 
     def _forget(self, digest: str) -> None:
         with self._guard():
@@ -319,7 +322,7 @@ class _Writer:
         offset, written = self.size, 0
         views = [memoryview(piece).cast("B") for piece in pieces]
         while written < length:
-            count = os.writev(self.fd, views)
+            count = os.writev(self.fd, views[:_IOV_MAX])
             written += count
             views = _after(views, count)
         self.size += length

@@ -123,8 +123,7 @@ class Cache:
         self.max_bytes = max_bytes
         self.counters = CacheStats()
         self._layout: Format = FORMATS[format]()
-        layout = self._layout
-        self._packed = Packed(self.root, layout) if isinstance(layout, FileFormat) else None
+        self._packed = self._segments()
         self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
         self.read_only = bool(read_only) or (read_only is None and self._unwritable())
@@ -138,13 +137,17 @@ class Cache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_packed"] = None if self._packed is None else True  # open files stay here
+        del state["_packed"]  # open files and a lock stay here
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if state["_packed"] is not None:
-            self._packed = Packed(self.root, self._layout)  # type: ignore[arg-type]
+        self._packed = self._segments()
+
+    def _segments(self) -> Packed | None:
+        """pt and npy entries go into segments (see cache/_packed.py); zarr ones are folders."""
+        layout = self._layout
+        return Packed(self.root, layout) if isinstance(layout, FileFormat) else None
 
     def __bool__(self) -> bool:
         return True  # a handle: ``if cache:`` must not count the entries on disk
@@ -302,16 +305,25 @@ class Cache:
         return value
 
     def _load_packed(self, digest: str, held: bool) -> Any:
-        assert self._packed is not None
-        touch = self.max_bytes is not None and not self.read_only
         try:
-            found = self._packed.read(digest, touch=touch)
-            if found is None:
-                return _MISSING
-            return self._packed.layout.decode(*found)
+            return self._read_packed(
+                digest, touch=self.max_bytes is not None and not self.read_only
+            )
         except CorruptEntryError as exc:
             self._discard_packed(digest, exc, held)
             return _MISSING
+
+    def _read_packed(self, digest: str, *, touch: bool) -> Any:
+        """The segment entry's sample (_MISSING when there is none); CorruptEntryError when it
+        fails its checks or holds another name than the one looked up."""
+        assert self._packed is not None
+        found = self._packed.read(digest, touch=touch)
+        if found is None:
+            return _MISSING
+        value = self._packed.layout.decode(*found)
+        if self._digest(self._packed.layout.name_in(*found)) != digest:
+            raise CorruptEntryError(f"cache entry holds another sample's name: {found[1]}")
+        return value
 
     def _discard_packed(self, digest: str, why: Exception, held: bool) -> None:
         assert self._packed is not None
@@ -699,8 +711,8 @@ class Cache:
         lock.acquire()
         try:
             packed = self._packed is not None and self._packed.holds(digest)
-            if packed:
-                self._packed.remove(digest)  # type: ignore[union-attr]  # bytes go with the segment
+            if packed and self._packed is not None:
+                self._packed.remove(digest)  # its bytes go with their segment
             freed = _remove(path) if self._in_root(path) else 0
         finally:
             lock.release(remove=True)
@@ -733,13 +745,12 @@ class Cache:
     def _verify_packed(self, report: VerifyReport) -> None:
         assert self._packed is not None
         for digest, where, label in self._packed.live():
-            report.checked += 1
             try:
-                found = self._packed.read(digest, touch=False)
-                if found is None:
-                    continue
-                self._packed.layout.decode(*found)
+                if self._read_packed(digest, touch=False) is _MISSING:
+                    continue  # its segment went meanwhile
+                report.checked += 1
             except CorruptEntryError as exc:
+                report.checked += 1
                 report.corrupt.append(self._packed.name_of(where, label))
                 report.removed_bytes += where.length
                 self._discard_packed(digest, exc, held=False)
