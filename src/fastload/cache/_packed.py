@@ -62,6 +62,7 @@ class Packed:
         self.layout = layout
         self.suffix = layout.suffix
         self.segments = root / "segments"
+        self._folder = str(self.segments)
         self.index = root / "index"
         self._known: dict[str, dict[bytes, Where]] = {}  # per index shard, as read so far
         self._read_to: dict[str, tuple[int, int]] = {}  # shard -> (inode, bytes read)
@@ -294,7 +295,7 @@ class Packed:
         return size, entries
 
     def _segment_path(self, segment: int) -> str:
-        return f"{self.segments}/{segment:016x}{self.suffix}"
+        return f"{self._folder}/{segment:016x}{self.suffix}"  # a str: no Path per read
 
 
 class _Writer:

@@ -140,8 +140,21 @@ class FileFormat(Format):
 
     def name_in(self, buffer: np.ndarray, where: str) -> str:
         """The name in an entry's bytes (for reports), unchecked."""
+        raw = self.raw_name(buffer)
+        if raw is not None:
+            return raw.decode("utf-8", "surrogatepass")
         header, _ = _parse_header(buffer, where)
         return str(header.get("name", ""))
+
+    @staticmethod
+    def raw_name(buffer: np.ndarray) -> bytes | None:
+        """The encoded name in an entry of this layout's current version (None for others),
+        unchecked: what a read compares with the name it looked up, with no header copied."""
+        if buffer.nbytes < _PREFIX.size or buffer[:8].tobytes() != _MAGIC:
+            return None
+        _, length, name_length = _PREFIX.unpack_from(buffer.data)
+        start = _PREFIX.size + length
+        return buffer[start : start + name_length].tobytes()
 
     @staticmethod
     def _blobs(buffer: np.ndarray, sizes: list[int], position: int) -> list[np.ndarray]:

@@ -123,6 +123,7 @@ class Cache:
         self.max_bytes = max_bytes
         self.counters = CacheStats()
         self._layout: Format = FORMATS[format]()
+        self._digest_prefix = f"{format}\0".encode()
         self._packed = self._segments()
         self._entry_root = str(self.root / "entries")
         self._warned: set[str] = set()
@@ -260,9 +261,10 @@ class Cache:
     # --- paths --------------------------------------------------------------------------------
 
     def _digest(self, name: str) -> str:
-        return hashlib.sha256(
-            f"{self.format}\0{name}".encode("utf-8", "surrogatepass")
-        ).hexdigest()[:40]
+        return self._raw_digest(name.encode("utf-8", "surrogatepass"))
+
+    def _raw_digest(self, name: bytes) -> str:
+        return hashlib.sha256(self._digest_prefix + name).hexdigest()[:40]
 
     def _path(self, digest: str) -> str:
         # plain strings: building Path objects cost more than reading a small entry
@@ -321,7 +323,8 @@ class Cache:
         if found is None:
             return _MISSING
         value = self._packed.layout.decode(*found)
-        if self._digest(self._packed.layout.name_in(*found)) != digest:
+        raw = self._packed.layout.raw_name(found[0])
+        if raw is None or self._raw_digest(raw) != digest:
             raise CorruptEntryError(f"cache entry holds another sample's name: {found[1]}")
         return value
 
