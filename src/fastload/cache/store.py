@@ -232,8 +232,8 @@ class Cache:
             raise CacheError(f"cannot {what}: the cache is read only: {self.root}")
 
     def _check_subdirs(self) -> None:
-        """entries/, locks/ and tmp/ must be real folders: the cache deletes inside them, and
-        a symlink would lead it out of its root."""
+        """entries/, locks/, tmp/, segments/ and index/ must be real folders: the cache deletes
+        inside them, and a symlink would lead it out of its root."""
         for sub in _SUBDIRS:
             if sub in _NEWER_SUBDIRS and not os.path.lexists(self.root / sub):
                 continue
