@@ -38,6 +38,7 @@ SCENARIOS = {
     "epochs": cache.run_epochs,
     "crops": cache.run_crops,
     "warm": cache.run_warm,
+    "small": cache.run_small,
     "limit": limit.run_limit,
     "stall": stall.run_stall,
     "groups": groups.run_groups,

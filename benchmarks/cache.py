@@ -12,12 +12,19 @@ Each reader runs ``repeats`` times, interleaved; the table gives medians.
 
 Crops: one 64x384x384 float32 volume (36 MB) in a zarr cache: a full warm read against
 np.load of the same array, and a random 16x128x128 crop against the full read.
+
+Small samples (``--only small``): N events as the parquet scenario's (an id and 20-80 float32
+pulses, about 200 bytes) put one by one into an npy cache on this machine's disk, then read back
+one by one in a shuffled order: rates, CPU per event, and the bytes on disk (allocated blocks of
+every file under the cache folder) against the events' own bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import resource
 import statistics
 import tempfile
 import time
@@ -258,3 +265,54 @@ def _warm_all(dataset: RemoteDataset, n: int) -> int:
 
 def run_warm(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     return warm_rows(200 if quick else 2000, 1 if quick else 3, progress)
+
+
+def _event(rng: np.random.Generator, i: int) -> dict[str, Any]:
+    return {"event_id": np.int64(i), "pulses": rng.random(int(rng.integers(20, 81)), np.float32)}
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _allocated(folder: Path) -> int:
+    total = 0
+    for where, _dirs, files in os.walk(folder):
+        total += os.lstat(where).st_blocks * 512
+        total += sum(os.lstat(os.path.join(where, f)).st_blocks * 512 for f in files)
+    return total
+
+
+def small_rows(n: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Fill and read back ``n`` small events through an npy cache (one pass each)."""
+    rng = np.random.default_rng(0)
+    events = [_event(rng, i) for i in range(n)]
+    names = [f"s3://bench/events/batch_{i // 4000:03d}.parquet#{i % 4000}" for i in range(n)]
+    source = sum(e["pulses"].nbytes + 8 for e in events)
+    with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as tmp:
+        cache = Cache(Path(tmp) / "c", format="npy")
+        progress(f"small: filling {n} events")
+        cpu, started = _cpu(), time.perf_counter()
+        for name, event in zip(names, events, strict=True):
+            cache.put(name, event)
+        fill = (n / (time.perf_counter() - started), (_cpu() - cpu) / n * 1e6)
+        disk = _allocated(Path(tmp) / "c")
+        files = sum(len(found) for _, _, found in os.walk(Path(tmp) / "c"))
+        order = np.random.default_rng(1).permutation(n)
+        cpu, started = _cpu(), time.perf_counter()
+        got = sum(cache.get(names[i]) is not None for i in order)
+        read = (n / (time.perf_counter() - started), (_cpu() - cpu) / n * 1e6)
+    assert got == n, f"read back {got} of {n} events"
+    common = {"events": n, "event bytes": source}
+    return [
+        {"step": "fill: Cache.put one by one", **common, "events/s": fill[0],
+         "CPU us/event": fill[1], "bytes on disk": disk, "disk vs event bytes": disk / source,
+         "files": files},
+        {"step": "read: Cache.get, shuffled", **common, "events/s": read[0],
+         "CPU us/event": read[1], "fill vs read": fill[0] / read[0]},
+    ]  # fmt: skip
+
+
+def run_small(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return small_rows(2_000 if quick else 200_000, progress)

@@ -66,6 +66,14 @@ def test_epoch_benchmark_compares_every_reader() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 workers, 2 CPUs
+def test_small_sample_benchmark_fills_reads_and_weighs_the_cache() -> None:
+    fill, read = cache.small_rows(1000, progress=lambda _: None)
+    assert fill["events"] == read["events"] == 1000 and fill["events/s"] > 0
+    assert fill["bytes on disk"] > fill["event bytes"] > 1000 * 80  # 20-80 float32 + an id
+    assert fill["files"] <= 2 * 256 + 8  # lock and index shards: not a file per entry
+    assert read["events/s"] > 0 and read["fill vs read"] > 0
+
+
 def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
     rows = limit.limit_rows(300, 1, progress=lambda _: None)
     assert [row["reader"].split(",")[-1] for row in rows[1:]] == [
