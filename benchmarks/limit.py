@@ -106,9 +106,10 @@ def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
         }
         for name, runs in measured.items()
     ]
+    base = rows[0]["CPU us/sample"]  # 0 when the limit ran under the CPU clock's 10 ms tick
     for row in rows:
         row["vs limit"] = row["samples/s (median)"] / rows[0]["samples/s (median)"]
-        row["CPU vs limit"] = row["CPU us/sample"] / rows[0]["CPU us/sample"]
+        row["CPU vs limit"] = row["CPU us/sample"] / base if base else float("nan")
     return rows
 
 

@@ -65,7 +65,6 @@ def test_epoch_benchmark_compares_every_reader() -> None:
     assert all(row["vs ceiling"] > 0 for row in rows if "cold" in row["reader"])
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 workers, 2 CPUs
 def test_small_sample_benchmark_fills_reads_and_weighs_the_cache() -> None:
     fill, read = cache.small_rows(1000, progress=lambda _: None)
     assert fill["events"] == read["events"] == 1000 and fill["events/s"] > 0
@@ -74,6 +73,7 @@ def test_small_sample_benchmark_fills_reads_and_weighs_the_cache() -> None:
     assert read["events/s"] > 0 and read["fill vs read"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 workers, 2 CPUs
 def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
     rows = limit.limit_rows(300, 1, progress=lambda _: None)
     assert [row["reader"].split(",")[-1] for row in rows[1:]] == [
@@ -81,7 +81,8 @@ def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
         " 2 workers",
         " 4 workers",
     ]
-    assert rows[0]["vs limit"] == 1 and all(row["CPU us/sample"] > 0 for row in rows)
+    assert rows[0]["vs limit"] == 1 and all(row["CPU us/sample"] > 0 for row in rows[1:])
+    assert rows[0]["CPU us/sample"] >= 0  # 300 memmap rows can take less than the clock's tick
 
 
 def test_crop_benchmark_reads_full_and_cropped() -> None:
