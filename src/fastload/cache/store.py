@@ -299,7 +299,7 @@ class Cache:
         except FileNotFoundError:
             return _MISSING
         except CorruptEntryError as exc:
-            self._discard(digest, path, exc, held)
+            self._discard_file(digest, path, exc, held)
             return _MISSING
         if self.max_bytes is not None and not self.read_only:  # no budget: nothing to order
             with contextlib.suppress(FileNotFoundError):
@@ -329,20 +329,23 @@ class Cache:
         return value
 
     def _discard_packed(self, digest: str, why: Exception, held: bool) -> None:
-        assert self._packed is not None
-        if self.read_only:
-            log.warning("a corrupt cache entry (read only: not deleted): %s", why)
-            return
-        lock = self._lock(digest)
-        if not held and not lock.acquire(blocking=False):
-            return  # its holder is rewriting it
-        try:
-            self._packed.remove(digest)
-        finally:
-            if not held:
-                lock.release(remove=True)
-        self.counters.repairs += 1
-        log.warning("dropped a corrupt cache entry (it will be recomputed): %s", why)
+        """Drop a corrupt segment entry (a removal record; its bytes go with the segment)."""
+        packed = self._packed
+        assert packed is not None
+
+        def remove() -> int:
+            packed.remove(digest)
+            return 0
+
+        self._discard(digest, why, held, remove)
+
+    def _discard_file(self, digest: str, path: str, why: Exception, held: bool = False) -> None:
+        """Delete a corrupt entry of its own file or folder."""
+
+        def remove() -> int | None:
+            return (_remove(path) if self._in_root(path) else 0) or None  # gone: no repair
+
+        self._discard(digest, why, held, remove)
 
     def _read(self, digest: str, path: str, held: bool = False) -> Any:
         if held or not self._layout.directory or self.read_only:  # read only: no eviction
@@ -354,7 +357,11 @@ class Cache:
         finally:
             lock.release()
 
-    def _discard(self, digest: str, path: str, why: Exception, held: bool = False) -> None:
+    def _discard(
+        self, digest: str, why: Exception, held: bool, remove: Callable[[], int | None]
+    ) -> None:
+        """Drop a corrupt entry under its lock: ``remove`` returns the bytes it freed, 0 or
+        None when there was nothing to drop (gone already, or outside the root)."""
         if self.read_only:
             log.warning("a corrupt cache entry (read only: not deleted): %s", why)
             return
@@ -362,14 +369,16 @@ class Cache:
         if not held and not lock.acquire(blocking=False):
             return  # its holder is rewriting it
         try:
-            freed = _remove(path) if self._in_root(path) else 0
+            freed = remove()
         finally:
             if not held:
                 lock.release(remove=True)
+        if freed is None:
+            return
+        self.counters.repairs += 1
         if freed:
-            self.counters.repairs += 1
             self._add_usage(-freed)
-            log.warning("deleted a corrupt cache entry (it will be recomputed): %s", why)
+        log.warning("dropped a corrupt cache entry (it will be recomputed): %s", why)
 
     def get(self, name: str, default: Any = None) -> Any:
         """The cached sample, or ``default`` when there is none (a corrupt one counts as none)."""
@@ -736,7 +745,7 @@ class Cache:
             except CorruptEntryError as exc:
                 report.corrupt.append(self._name_of(entry.path))
                 report.removed_bytes += entry.size
-                self._discard(entry.digest, entry.path, exc)
+                self._discard_file(entry.digest, entry.path, exc)
         if self._packed is not None:
             self._verify_packed(report)
         if not self.read_only:
