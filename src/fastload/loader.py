@@ -367,8 +367,10 @@ def _fork_safe_context(*parts: object) -> Any:
     about 250 fail with "too many fds"), where forked workers share the parent's memory.
     The forkserver preloads torch and fastload (Python's own preload of ``__main__`` does not
     happen in 3.11 and 3.12), else every worker imports torch itself: 5 s for 8 workers on a
-    16-core GPU machine, at every loader's start. The forkserver starts here, so its imports
-    overlap what the script does before its first batch (building a model, say).
+    16-core GPU machine, at every loader's start. It then freezes its garbage collector
+    (``fastload._frozen``), so workers' collections do not copy the pages they share with it.
+    The forkserver starts here, so its imports overlap what the script does before its first
+    batch (building a model, say).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
@@ -387,7 +389,7 @@ def _fork_safe_context(*parts: object) -> Any:
     return context
 
 
-_PRELOAD = ("__main__", "torch", "numpy", "fastload")
+_PRELOAD = ("__main__", "torch", "numpy", "fastload", "fastload._frozen")
 PICKLED_LIMIT = 64 * 2**20
 """Bytes of pickled dataset above which workers fork (sharing it) rather than each unpickle it."""
 
