@@ -563,6 +563,30 @@ def test_damaged_entries_are_detected_deleted_and_recomputed(
     assert cache.verify().corrupt == []
 
 
+@pytest.mark.parametrize("fmt", ["pt", "npy"])
+def test_a_segment_cut_short_under_a_reader_is_recomputed_not_a_crash(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Reads copy out of a map of the segment; touching pages a shrunk file lost kills a
+    process (SIGBUS), so a shorter file is seen before the map is read."""
+    cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    names = [f"s3://bucket/dir/k{i}.npy" for i in range(40)]
+
+    def make(positions: list[int]) -> list[np.ndarray]:
+        return [np.random.default_rng(p).random((32, 32)) for p in positions]
+
+    cache.get_many(names, make)
+    cache._packed.seal()  # type: ignore[union-attr]
+    assert len(cache.get_many(names, make)) == 40  # read back: the segment is mapped now
+    path, offset, _ = packed(cache, names[20])
+    lost = sum(packed(cache, name)[1] + packed(cache, name)[2] > offset + 10 for name in names)
+    os.truncate(path, offset + 10)
+    again = cache.get_many(names, make)
+    for value, expected in zip(again, make(list(range(40))), strict=True):
+        assert np.array_equal(value, expected)
+    assert 0 < lost < 40 and cache.counters.repairs == lost  # the entries cut off, only those
+
+
 def test_verify_finds_reports_and_removes_corrupt_entries(tmp_path: Path) -> None:
     cache = Cache(tmp_path, format="npy")
     for i in range(10):

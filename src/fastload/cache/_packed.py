@@ -34,7 +34,7 @@ import numpy as np
 from crc32c import crc32c
 
 from fastload.cache._locks import lock_whole
-from fastload.cache.formats import FileFormat, read_at
+from fastload.cache.formats import MIN_ENTRY, FileFormat
 from fastload.errors import CorruptEntryError
 
 __all__ = ["SEGMENT_BYTES", "Packed", "Where"]
@@ -44,6 +44,10 @@ SEGMENT_BYTES = 256 * 2**20
 _RECORD = struct.Struct("<20sQQQI")  # digest, segment id, offset, length, CRC32C of the rest
 _OPEN_SEGMENTS = 64  # read descriptors kept open per process
 _IOV_MAX = 1024  # buffers one writev takes (Linux)
+
+
+Found = tuple[np.ndarray, str] | CorruptEntryError | None
+"""An entry's bytes and a description for errors, why it cannot be read, or None: no entry."""
 
 
 @dataclass(frozen=True)
@@ -100,35 +104,87 @@ class Packed:
 
     def find(self, digest: str) -> Where | None:
         """Where ``digest``'s entry is, re-reading its index shard's new records on a miss."""
-        shard, key = digest[:2], bytes.fromhex(digest)
         with self._guard():
-            where = self._known.get(shard, {}).get(key)
-            if where is None:
-                self._refresh(shard)
-                where = self._known.get(shard, {}).get(key)
-        return where
+            return self._find_all([digest])[0]
 
     def read(self, digest: str, *, touch: bool) -> tuple[np.ndarray, str] | None:
         """The entry's bytes and a description for errors; None when there is none (never
-        written, removed, or its segment evicted). ``touch``: mark its segment used (the
-        least-recently-used order is by segment)."""
-        for _ in range(2):  # a segment gone since the index was read: read the index again
-            where = self.find(digest)
-            if where is None:
-                return None
-            label = f"{self._segment_path(where.segment)}@{where.offset}"
-            try:
-                with self._guard():  # no other thread closes (and reuses) the descriptor meanwhile
-                    fd = self._segment_fd(where.segment)
-                    buffer = read_at(fd, where.offset, where.length, label)
-            except FileNotFoundError:
-                self._forget(digest)
-                continue
-            if touch:
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(self._segment_path(where.segment))
-            return buffer, label
-        return None
+        written, removed, or its segment evicted); CorruptEntryError when it is cut short.
+        ``touch``: mark its segment used (the least-recently-used order is by segment)."""
+        found = self.read_many([digest], touch=touch)[0]
+        if isinstance(found, CorruptEntryError):
+            raise found
+        return found
+
+    def read_many(self, digests: Sequence[str], *, touch: bool, again: bool = True) -> list[Found]:
+        """:meth:`read` of many entries at once, each failure in its slot: the index looked
+        up and each segment opened and checked once per call, and each run of entries that
+        follow one another in a segment read by one ``preadv``. ``again``: look up once more
+        the entries whose segment was evicted since the index was read.
+
+        (Copying entries out of a map of each segment kept open read a warm epoch of 77 KB
+        samples 1.28x faster than this, against 1.15x, but left every page read mapped into
+        the process: its resident memory grew by the bytes of the cache it read.)"""
+        out: list[Found] = [None] * len(digests)
+        gone: list[int] = []
+        with self._guard():
+            by_segment: dict[int, list[tuple[int, Where]]] = {}
+            for i, where in enumerate(self._find_all(digests)):
+                if where is not None:
+                    by_segment.setdefault(where.segment, []).append((i, where))
+            for segment, entries in by_segment.items():
+                try:
+                    self._read_runs(segment, entries, out)
+                except FileNotFoundError:
+                    gone += [i for i, _ in entries]
+                    for i, _ in entries:
+                        self._forget(digests[i])
+                    continue
+                if touch:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.utime(self._segment_path(segment))
+        if gone and again:
+            for i, found in zip(
+                gone,
+                self.read_many([digests[i] for i in gone], touch=touch, again=False),
+                strict=True,
+            ):
+                out[i] = found
+        return out
+
+    def _find_all(self, digests: Sequence[str]) -> list[Where | None]:
+        """:meth:`find` for each digest, each index shard re-read at most once (the caller
+        holds the lock)."""
+        places: list[Where | None] = []
+        refreshed: set[str] = set()
+        for digest in digests:
+            shard, key = digest[:2], bytes.fromhex(digest)
+            where = self._known.get(shard, {}).get(key)
+            if where is None and shard not in refreshed:
+                refreshed.add(shard)
+                self._refresh(shard)
+                where = self._known.get(shard, {}).get(key)
+            places.append(where)
+        return places
+
+    def _read_runs(
+        self,
+        segment: int,
+        entries: list[tuple[int, Where]],
+        out: list[Found],
+    ) -> None:
+        """Read ``entries`` (position, place) of one segment into ``out``, a ``preadv`` per run
+        of entries that follow one another in it (the caller holds the lock)."""
+        fd = self._segment_fd(segment)
+        path = self._segment_path(segment)
+        entries.sort(key=lambda entry: entry[1].offset)
+        run: list[tuple[int, Where]] = []
+        for entry in entries:
+            if run and (run[-1][1].offset + run[-1][1].length != entry[1].offset):
+                _read_run(fd, path, run, out)
+                run = []
+            run.append(entry)
+        _read_run(fd, path, run, out)
 
     def holds(self, digest: str) -> bool:
         """Whether the index has ``digest`` and its segment is there."""
@@ -165,9 +221,9 @@ class Packed:
         return fd
 
     def _forget(self, digest: str) -> None:
-        with self._guard():
-            self._known.get(digest[:2], {}).pop(bytes.fromhex(digest), None)
-            self._read_to.pop(digest[:2], None)  # read the shard again from its start
+        """Drop what the index said of ``digest`` (the caller holds the lock)."""
+        self._known.get(digest[:2], {}).pop(bytes.fromhex(digest), None)
+        self._read_to.pop(digest[:2], None)  # read the shard again from its start
 
     def _refresh(self, shard: str) -> None:
         """Apply the shard's records appended since the last read (all of them if the file was
@@ -344,6 +400,29 @@ def _after(views: list[memoryview], count: int) -> list[memoryview]:
         left.append(view[count:])
         count = 0
     return left
+
+
+def _read_run(fd: int, path: str, run: list[tuple[int, Where]], out: list[Found]) -> None:
+    """Entries that follow one another in a segment, read by one ``preadv`` (a short read,
+    of a segment cut short, reads each alone to say which entry is truncated)."""
+    buffers = [np.empty(where.length, np.uint8) for _, where in run]
+    start = run[0][1].offset
+    total = sum(where.length for _, where in run)
+    views = [buffer.data for buffer in buffers]
+    got = 0
+    while got < total and (count := os.preadv(fd, views[:_IOV_MAX], start + got)):
+        got += count
+        views = _after(views, count)
+    if got != total and len(run) > 1:
+        for entry in run:
+            _read_run(fd, path, [entry], out)
+        return
+    for (i, where), buffer in zip(run, buffers, strict=True):
+        label = f"{path}@{where.offset}"
+        if got != total or where.length < MIN_ENTRY:
+            out[i] = CorruptEntryError(f"cache entry is truncated or changed while read: {label}")
+        else:
+            out[i] = buffer, label
 
 
 def _fields(key: bytes, segment: int, offset: int, length: int) -> bytes:

@@ -43,7 +43,7 @@ from fastload.cache._tree import Leaf, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
-__all__ = ["FORMATS", "FileFormat", "Format", "ZarrArray"]
+__all__ = ["FORMATS", "MIN_ENTRY", "FileFormat", "Format", "ZarrArray"]
 
 _MAGIC = b"FLCACHE2"
 _PREFIX = struct.Struct("<8sQQ")  # magic, header length, name length
@@ -53,6 +53,8 @@ _HEADERS = 4096  # parsed headers kept per process: one per structure and plain 
 _FOOTER = struct.Struct("<I4s")  # CRC32C of everything before it, end mark
 _END = b"FLC."
 _ALIGN = 64
+MIN_ENTRY = _PREFIX.size + _FOOTER.size
+"""The fewest bytes an entry of the current layout can have."""
 
 
 class Format(ABC):
@@ -202,7 +204,7 @@ def _read_checked(path: str | Path) -> np.ndarray:
 
 def read_at(fd: int, offset: int, size: int, where: str | Path) -> np.ndarray:
     """``size`` bytes at ``offset`` of ``fd`` as a writable uint8 array."""
-    if size < _PREFIX.size + _FOOTER.size:
+    if size < MIN_ENTRY:
         raise CorruptEntryError(f"cache entry is truncated ({size} bytes): {where}")
     buffer = np.empty(size, np.uint8)
     view, got = buffer.data, 0

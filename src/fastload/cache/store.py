@@ -289,10 +289,29 @@ class Cache:
 
         ``held``: the caller holds the name's exclusive lock.
         """
-        if self._packed is not None:
-            value = self._load_packed(digest, held)
-            if value is not _MISSING:
-                return value
+        return self._load_all([digest], held)[0]
+
+    def _load_all(self, digests: Sequence[str], held: bool = False) -> list[Any]:
+        """:meth:`_load` of each digest; segment entries are read together (one call to the
+        segments for the batch)."""
+        if self._packed is None:
+            return [self._load_file(digest, held) for digest in digests]
+        touch = self.max_bytes is not None and not self.read_only
+        out = []
+        for digest, found in zip(
+            digests, self._packed.read_many(digests, touch=touch), strict=True
+        ):
+            if found is None:  # maybe an entry of an earlier version, a file of its own
+                out.append(self._load_file(digest, held))
+                continue
+            try:
+                out.append(self._unpacked(digest, found))
+            except CorruptEntryError as exc:
+                self._discard_packed(digest, exc, held)
+                out.append(_MISSING)
+        return out
+
+    def _load_file(self, digest: str, held: bool) -> Any:
         path = self._path(digest)
         try:
             value = self._read(digest, path, held)
@@ -306,24 +325,15 @@ class Cache:
                 os.utime(path)  # mtime orders eviction (least recently used first)
         return value
 
-    def _load_packed(self, digest: str, held: bool) -> Any:
-        try:
-            return self._read_packed(
-                digest, touch=self.max_bytes is not None and not self.read_only
-            )
-        except CorruptEntryError as exc:
-            self._discard_packed(digest, exc, held)
-            return _MISSING
-
-    def _read_packed(self, digest: str, *, touch: bool) -> Any:
-        """The segment entry's sample (_MISSING when there is none); CorruptEntryError when it
-        fails its checks or holds another name than the one looked up."""
+    def _unpacked(self, digest: str, found: tuple[Any, str] | CorruptEntryError) -> Any:
+        """The sample in a segment entry's bytes; CorruptEntryError when they fail their
+        checks or hold another name than the one looked up."""
+        if isinstance(found, CorruptEntryError):
+            raise found
         assert self._packed is not None
-        found = self._packed.read(digest, touch=touch)
-        if found is None:
-            return _MISSING
-        value = self._packed.layout.decode(*found)
-        raw = self._packed.layout.raw_name(found[0])
+        layout = self._packed.layout
+        value = layout.decode(*found)
+        raw = layout.raw_name(found[0])
         if raw is None or self._raw_digest(raw) != digest:
             raise CorruptEntryError(f"cache entry holds another sample's name: {found[1]}")
         return value
@@ -443,7 +453,7 @@ class Cache:
         is handed back in its slot and not cached.
         """
         digests = [self._digest(n) for n in names]
-        out = [self._load(d) for d in digests]
+        out = self._load_all(digests)
         first: dict[str, int] = {}
         for i, value in enumerate(out):
             self._count(value is not _MISSING)
@@ -758,8 +768,10 @@ class Cache:
         assert self._packed is not None
         for digest, where, label in self._packed.live():
             try:
-                if self._read_packed(digest, touch=False) is _MISSING:
+                found = self._packed.read(digest, touch=False)
+                if found is None:
                     continue  # its segment went meanwhile
+                self._unpacked(digest, found)
                 report.checked += 1
             except CorruptEntryError as exc:
                 report.checked += 1
