@@ -245,6 +245,37 @@ def test_clear_zeroes_every_formats_byte_count(tmp_path: Path) -> None:
     assert 0 < (pt.stats()["used_bytes"] or 0) < before - 7000  # counted from zero again
 
 
+def _put_small(cache: Cache, prefix: str) -> None:
+    for i in range(50):
+        cache.put(f"{prefix}/{i}", np.full(100 + i, i, dtype=np.float32))
+
+
+def segment_bytes(cache: Cache) -> int:
+    return sum(p.stat().st_size for p in (cache.root / "segments").iterdir())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_bytes_written_between_usage_updates_are_counted_once(
+    tmp_path: Path, method: str
+) -> None:
+    """Without a budget a process records its bytes every 4 MiB, and when it exits: a child
+    (a DataLoader worker, say) counts its own writes, never its parent's not yet recorded."""
+    cache = Cache(tmp_path, format="npy")
+    _put_small(cache, "parent")  # far under 4 MiB: not recorded yet
+    child = multiprocessing.get_context(method).Process(target=_put_small, args=(cache, "kid"))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert Cache(tmp_path, format="npy").stats()["used_bytes"] == segment_bytes(cache) - (
+        cache.counters.bytes_written
+    )  # the child's are recorded; the parent's are still its own to record
+    assert cache.stats()["used_bytes"] == segment_bytes(cache)
+    del cache
+    assert Cache(tmp_path, format="npy").stats()["used_bytes"] == segment_bytes(
+        Cache(tmp_path, format="npy")
+    )
+
+
 def test_the_budget_is_the_folders_and_every_process_keeps_to_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -710,6 +741,7 @@ def test_entries_of_the_first_layout_are_still_read(tmp_path: Path) -> None:
     second = Path(cache._path(cache._digest("second")))
     second.parent.mkdir(parents=True, exist_ok=True)
     formats.NpyFormat().write(array, "second", second)
+    cache = Cache(tmp_path, format="npy")  # opened by this version over the earlier one's
     assert np.array_equal(cache.get("second"), array) and len(cache) == 2
     out = cache.get("old")
     assert out.dtype == np.uint16 and np.array_equal(out, array)

@@ -90,7 +90,7 @@ class RangeLock:
     description), so threads and processes exclude each other, and the kernel lets go when the
     holder closes it or dies. Same interface as :class:`FileLock`; the file stays."""
 
-    def __init__(self, path: Path, offset: int) -> None:
+    def __init__(self, path: str | Path, offset: int) -> None:
         self.path, self.offset = path, offset
         self._fd: int | None = None
 
@@ -144,12 +144,12 @@ def range_held(path: Path) -> bool:
     return bool(kind != fcntl.F_UNLCK)
 
 
-def _open(path: Path) -> int:
+def _open(path: str | Path) -> int:
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     try:
         return os.open(path, flags, 0o600)
     except FileNotFoundError:
-        private_dirs(path.parent)
+        private_dirs(Path(path).parent)
         return os.open(path, flags, 0o600)
 
 

@@ -72,6 +72,8 @@ class Packed:
         self._read_to: dict[str, tuple[int, int]] = {}  # shard -> (inode, bytes read)
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._writer: _Writer | None = None
+        self._appending: dict[str, int] = {}  # index shards open for appending, by shard
+        self._appending_pid = os.getpid()
         self._mutex = threading.Lock()
         self._pid = os.getpid()
 
@@ -88,6 +90,7 @@ class Packed:
             if self._writer is not None and self._writer.pid == os.getpid():
                 self._writer.close()
             self._writer = None
+            self._close_index()
 
     def close(self) -> None:
         self.seal()
@@ -281,6 +284,7 @@ class Packed:
             if writer is None or not writer.fits(length, limit):
                 if writer is not None and writer.pid == os.getpid():
                     writer.close()
+                self._close_index()
                 writer = self._writer = _Writer(self.segments, self.suffix)
             try:
                 offset = writer.write(pieces, length)
@@ -299,19 +303,32 @@ class Packed:
     def _record(self, digest: str, where: Where) -> None:
         key = bytes.fromhex(digest)
         fields = _fields(key, where.segment, where.offset, where.length)
-        record = fields + crc32c(fields).to_bytes(4, "little")
-        path = self.index / f"{digest[:2]}{self.suffix}"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, record)
-        finally:
-            os.close(fd)
+        os.write(self._index_fd(digest[:2]), fields + crc32c(fields).to_bytes(4, "little"))
         known = self._known.get(digest[:2])
         if known is not None:  # our own write: no need to read it back
             if where.length:
                 known[key] = where
             else:
                 known.pop(key, None)
+
+    def _index_fd(self, shard: str) -> int:
+        """The shard's index, open for appending (the caller holds the lock). Kept open while
+        this process writes to one segment: a cleared index goes with the segment, and the
+        next segment opens the index again."""
+        if self._appending_pid != os.getpid():  # a forked child: the parent's are not ours
+            self._appending, self._appending_pid = {}, os.getpid()
+        fd = self._appending.get(shard)
+        if fd is None:
+            path = f"{self.index}/{shard}{self.suffix}"
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            fd = self._appending[shard] = os.open(path, flags, 0o600)
+        return fd
+
+    def _close_index(self) -> None:
+        if self._appending_pid == os.getpid():
+            for fd in self._appending.values():
+                os.close(fd)
+        self._appending = {}
 
     # --- segments as a whole ------------------------------------------------------------------
 

@@ -36,8 +36,10 @@ import re
 import secrets
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +61,7 @@ _TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to
 _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
 _SUBDIRS = ("entries", "locks", "tmp", "segments", "index")
 _NEWER_SUBDIRS = ("segments", "index")  # a read-only cache of an earlier version lacks them
+_UNRECORDED = 4 * 2**20  # bytes a process may add before it records them (no budget)
 _SEGMENTS_PER_BUDGET = 16  # a budget's segments are at most 1/16 of it: eviction can keep to it
 _DIGEST = re.compile(r"[0-9a-f]{40}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -82,6 +85,38 @@ class _Entry:
     size: int
     used: float  # last read or write (mtime)
     segment: bool = False  # a segment of packed entries (digest ""), not one entry
+
+
+class _Unrecorded:
+    """Bytes this process wrote to segments and has yet to add to the usage file ``path``:
+    added at the next use of the file (at once with a budget, else every 4 MiB), and when the
+    Cache is collected or its process exits (a worker's too). A forked or unpickled copy
+    starts at 0: what its parent wrote is the parent's to record."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._pid = -1  # set up on first use in each process
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_path": self._path, "_pid": -1}
+
+    def add(self, delta: int) -> int:
+        """Add ``delta``; the bytes now unrecorded."""
+        with self._own():
+            self._box[0] += delta
+            return self._box[0]
+
+    def take(self) -> int:
+        """The unrecorded bytes, now counted as recorded by the caller."""
+        with self._own():
+            taken, self._box[0] = self._box[0], 0
+            return taken
+
+    def _own(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._pid, self._box, self._lock = os.getpid(), [0], threading.Lock()
+            Finalize(self, _record_unrecorded, (self._path, self._box, self._lock), exitpriority=0)
+        return self._lock
 
 
 class Cache:
@@ -126,6 +161,8 @@ class Cache:
         self._digest_prefix = f"{format}\0".encode()
         self._packed = self._segments()
         self._entry_root = str(self.root / "entries")
+        self._lock_root = str(self.root / "locks")
+        self._unrecorded = _Unrecorded(self.root / f"usage-{format}")
         self._warned: set[str] = set()
         self.read_only = bool(read_only) or (read_only is None and self._unwritable())
         if self.read_only:
@@ -135,6 +172,9 @@ class Cache:
         else:
             self._prepare()
         self._adopt_budget(max_bytes)
+        # pt/npy entries of an earlier version (a file each) were here when this Cache was
+        # opened: a miss looks for one, a write replaces one (else neither costs a syscall)
+        self._legacy = self._packed is None or any(True for _ in self._files())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -279,8 +319,8 @@ class Cache:
         """The entry's lock: a byte of one of 256 shared files (or, without OFD locks, a file
         of its own, removed by its last exclusive holder)."""
         if OFD_LOCKS:
-            return RangeLock(self.root / "locks" / f"{digest[:2]}.lock", int(digest[2:10], 16))
-        return FileLock(self.root / "locks" / digest[:2] / f"{digest}.lock")
+            return RangeLock(f"{self._lock_root}/{digest[:2]}.lock", int(digest[2:10], 16))
+        return FileLock(Path(self._lock_root, digest[:2], f"{digest}.lock"))
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -302,7 +342,7 @@ class Cache:
             digests, self._packed.read_many(digests, touch=touch), strict=True
         ):
             if found is None:  # maybe an entry of an earlier version, a file of its own
-                out.append(self._load_file(digest, held))
+                out.append(self._load_file(digest, held) if self._legacy else _MISSING)
                 continue
             try:
                 out.append(self._unpacked(digest, found))
@@ -592,12 +632,13 @@ class Cache:
         try:
             self._packed.append(digest, pieces, limit)
             path = self._path(digest)
-            with self._usage() as used:
-                self.max_bytes = used[1] or None  # the folder's, as another process set it
-                stale = _remove(path) if self._in_root(path) else 0  # an earlier version's
-                used[0] += size - stale
-                if self.max_bytes is not None and used[0] > self.max_bytes:
-                    used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
+            stale = _remove(path) if self._legacy and self._in_root(path) else 0
+            pending = self._unrecorded.add(size - stale)
+            if self.max_bytes is not None or pending >= _UNRECORDED:
+                with self._usage() as used:
+                    self.max_bytes = used[1] or None  # the folder's, as another process set it
+                    if self.max_bytes is not None and used[0] > self.max_bytes:
+                        used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
         except OSError as exc:
             raise CacheError(
                 f"cannot write the cache entry for {name} in {self.root} ({_why(exc)})"
@@ -615,33 +656,19 @@ class Cache:
     @contextlib.contextmanager
     def _usage(self) -> Iterator[list[int]]:
         """``[bytes in entries/, budget (0: none)]``, read and written back in place under the
-        usage file's lock (read only: read, never written)."""
+        usage file's lock, with the bytes this process had yet to record (read only: read,
+        never written)."""
         path = self.root / f"usage-{self.format}"
-        if self.read_only:
-            try:
-                with open(path, "rb") as f:
-                    yield self._parse_usage(f.read(64))
-            except FileNotFoundError:
-                yield [self._scan_bytes(), 0]
-            return
-        lock = FileLock(path)
-        lock.acquire()
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                state = self._parse_usage(os.pread(fd, 64, 0))
+        if not self.read_only:
+            with _usage_file(path, self._scan_bytes) as state:
+                state[0] += self._unrecorded.take()
                 yield state
-                os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
-            finally:
-                os.close(fd)
-        finally:
-            lock.release()
-
-    def _parse_usage(self, raw: bytes) -> list[int]:
-        fields = raw.split()
-        used = int(fields[0]) if fields and fields[0].isdigit() else self._scan_bytes()
-        budget = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
-        return [used, budget]
+            return
+        try:
+            with open(path, "rb") as f:
+                yield _parse_usage(f.read(64), self._scan_bytes)
+        except FileNotFoundError:
+            yield [self._scan_bytes(), 0]
 
     def _add_usage(self, delta: int) -> None:
         with self._usage() as used:
@@ -801,6 +828,7 @@ class Cache:
         format's byte count goes back to zero with them."""
         self._writable("clear")
         self._check_subdirs()
+        self._unrecorded.take()  # those bytes go too
         if self._packed is not None:
             self._packed.close()
             self._packed = Packed(self.root, self._packed.layout)
@@ -821,6 +849,44 @@ class Cache:
         finally:
             for lock in locks:
                 lock.release()
+
+
+@contextlib.contextmanager
+def _usage_file(path: Path, scan: Callable[[], int]) -> Iterator[list[int]]:
+    """``[bytes, budget]`` in the usage file ``path``, written back in place under its lock;
+    ``scan`` counts the bytes when the file holds no count."""
+    lock = FileLock(path)
+    lock.acquire()
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            state = _parse_usage(os.pread(fd, 64, 0), scan)
+            yield state
+            os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
+        finally:
+            os.close(fd)
+    finally:
+        lock.release()
+
+
+def _parse_usage(raw: bytes, scan: Callable[[], int]) -> list[int]:
+    fields = raw.split()
+    used = int(fields[0]) if fields and fields[0].isdigit() else scan()
+    budget = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
+    return [used, budget]
+
+
+def _record_unrecorded(path: Path, box: list[int], lock: threading.Lock) -> None:
+    """Add what a process (or a collected Cache) had yet to record to the usage file."""
+    with lock:
+        pending, box[0] = box[0], 0
+    if pending:
+        with contextlib.suppress(Exception), _usage_file(path, _no_count) as state:
+            state[0] += pending
+
+
+def _no_count() -> int:
+    raise ValueError("the usage file holds no count: the next Cache counts the entries")
 
 
 def _remove(path: str | Path) -> int:
