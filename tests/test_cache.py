@@ -255,9 +255,7 @@ def segment_bytes(cache: Cache) -> int:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_bytes_written_between_usage_updates_are_counted_once(
-    tmp_path: Path, method: str
-) -> None:
+def test_bytes_written_between_usage_updates_are_counted_once(tmp_path: Path, method: str) -> None:
     """Without a budget a process records its bytes every 4 MiB, and when it exits: a child
     (a DataLoader worker, say) counts its own writes, never its parent's not yet recorded."""
     cache = Cache(tmp_path, format="npy")
