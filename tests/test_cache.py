@@ -708,6 +708,30 @@ def test_clear_while_a_segment_is_open_loses_no_later_write(tmp_path: Path) -> N
     assert np.array_equal(other.get("b"), np.arange(4)) and len(other) == 1
 
 
+def test_a_batch_read_across_an_evicted_segment_recomputes_only_its_entries(
+    tmp_path: Path,
+) -> None:
+    writer, reader = Cache(tmp_path, format="npy"), Cache(tmp_path, format="npy")
+    names = [f"gs://b/shard-{i % 3}/x{i}.npy" for i in range(30)]
+    for i, name in enumerate(names):
+        writer.put(name, np.full(64, i))
+        if i == 14:
+            writer._packed.seal()  # type: ignore[union-attr]  # two segments of 15
+    assert all(v is not None for v in reader.get_many(names, lambda pos: 1 / 0))  # all hits
+    first = packed(writer, names[0])[0]
+    writer._packed.seal()  # type: ignore[union-attr]
+    assert writer._packed.remove_segment(str(first)) != (0, 0)  # type: ignore[union-attr]
+    computed: list[int] = []
+
+    def make(positions: list[int]) -> list[np.ndarray]:
+        computed.extend(positions)
+        return [np.full(64, p) for p in positions]
+
+    again = reader.get_many(names, make)
+    assert sorted(computed) == list(range(15))  # the evicted segment's entries, and only those
+    assert all(np.array_equal(v, np.full(64, i)) for i, v in enumerate(again))
+
+
 # --- budget -------------------------------------------------------------------------------------
 
 

@@ -554,9 +554,11 @@ class Cache:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
         try:
             todo = []
-            for i in locked:
-                out[i] = self._load(digests[i], held=True)  # done between our read and lock?
-                if out[i] is _MISSING:
+            positions = list(locked)  # done between our read and our lock?
+            again = self._load_all([digests[i] for i in positions], held=True)
+            for i, value in zip(positions, again, strict=True):
+                out[i] = value
+                if value is _MISSING:
                     todo.append(i)
                 else:
                     self.counters.waits += 1
