@@ -255,23 +255,31 @@ def segment_bytes(cache: Cache) -> int:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_bytes_written_between_usage_updates_are_counted_once(tmp_path: Path, method: str) -> None:
-    """Without a budget a process records its bytes every 4 MiB, and when it exits: a child
-    (a DataLoader worker, say) counts its own writes, never its parent's not yet recorded."""
+def test_bytes_written_between_usage_updates_are_counted_once(
+    tmp_path: Path, method: str
+) -> None:
+    """Without a budget a process records its bytes every 4 MiB and when it exits: a child
+    (a DataLoader worker, say) records its own writes, never its parent's not yet recorded."""
+
+    def recorded() -> int:
+        return int((tmp_path / "usage-npy").read_bytes().split()[0])
+
     cache = Cache(tmp_path, format="npy")
     _put_small(cache, "parent")  # far under 4 MiB: not recorded yet
+    assert recorded() == 0
     child = multiprocessing.get_context(method).Process(target=_put_small, args=(cache, "kid"))
     child.start()
     child.join(60)
     assert child.exitcode == 0
-    assert Cache(tmp_path, format="npy").stats()["used_bytes"] == segment_bytes(cache) - (
-        cache.counters.bytes_written
-    )  # the child's are recorded; the parent's are still its own to record
-    assert cache.stats()["used_bytes"] == segment_bytes(cache)
-    del cache
-    assert Cache(tmp_path, format="npy").stats()["used_bytes"] == segment_bytes(
-        Cache(tmp_path, format="npy")
-    )
+    assert recorded() == segment_bytes(cache) - cache.counters.bytes_written  # the child's
+    later = Cache(tmp_path, format="npy")
+    _put_small(later, "later")
+    del later  # collected before its bytes were recorded: they stay this process's to record
+    assert cache.stats()["used_bytes"] == segment_bytes(cache) == recorded()
+    script = "import sys, numpy as np; from fastload import Cache; "
+    script += "Cache(sys.argv[1], format='npy').put('script', np.arange(99))"
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120)
+    assert recorded() == segment_bytes(cache)  # a plain script records its bytes at exit
 
 
 def test_the_budget_is_the_folders_and_every_process_keeps_to_it(

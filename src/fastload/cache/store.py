@@ -37,6 +37,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.util import Finalize
@@ -88,35 +89,42 @@ class _Entry:
 
 
 class _Unrecorded:
-    """Bytes this process wrote to segments and has yet to add to the usage file ``path``:
-    added at the next use of the file (at once with a budget, else every 4 MiB), and when the
-    Cache is collected or its process exits (a worker's too). A forked or unpickled copy
+    """Bytes this process wrote to segments and has yet to add to the usage files, by file:
+    added by the next use of the file in this process (at once with a budget, else every
+    4 MiB) and when the process exits (a DataLoader worker's too). Kept per process, not per
+    Cache, so a Cache collected before its bytes were recorded loses none, and a forked child
     starts at 0: what its parent wrote is the parent's to record."""
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._pid = -1  # set up on first use in each process
+    def __init__(self) -> None:
+        self._pid = -1
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_path": self._path, "_pid": -1}
-
-    def add(self, delta: int) -> int:
-        """Add ``delta``; the bytes now unrecorded."""
+    def add(self, path: Path, delta: int) -> int:
+        """Add ``delta`` to ``path``'s; the bytes now unrecorded there."""
         with self._own():
-            self._box[0] += delta
-            return self._box[0]
+            self._bytes[path] = self._bytes.get(path, 0) + delta
+            return self._bytes[path]
 
-    def take(self) -> int:
-        """The unrecorded bytes, now counted as recorded by the caller."""
+    def take(self, path: Path) -> int:
+        """``path``'s unrecorded bytes, now the caller's to record."""
         with self._own():
-            taken, self._box[0] = self._box[0], 0
-            return taken
+            return self._bytes.pop(path, 0)
 
     def _own(self) -> threading.Lock:
         if self._pid != os.getpid():
-            self._pid, self._box, self._lock = os.getpid(), [0], threading.Lock()
-            Finalize(self, _record_unrecorded, (self._path, self._box, self._lock), exitpriority=0)
+            self._pid, self._lock = os.getpid(), threading.Lock()
+            self._bytes: dict[Path, int] = {}
+            Finalize(None, self._record_all, exitpriority=0)  # at exit, in this process only
         return self._lock
+
+    def _record_all(self) -> None:
+        with self._own():
+            pending, self._bytes = self._bytes, {}
+        for path, count in pending.items():  # a thread of this process may hold the lock
+            with contextlib.suppress(Exception), _usage_file(path, _no_count, 2.0) as state:
+                state[0] += count
+
+
+_UNRECORDED_BYTES = _Unrecorded()
 
 
 class Cache:
@@ -162,7 +170,7 @@ class Cache:
         self._packed = self._segments()
         self._entry_root = str(self.root / "entries")
         self._lock_root = str(self.root / "locks")
-        self._unrecorded = _Unrecorded(self.root / f"usage-{format}")
+        self._usage_path = self.root / f"usage-{format}"
         self._warned: set[str] = set()
         self.read_only = bool(read_only) or (read_only is None and self._unwritable())
         if self.read_only:
@@ -635,7 +643,7 @@ class Cache:
             self._packed.append(digest, pieces, limit)
             path = self._path(digest)
             stale = _remove(path) if self._legacy and self._in_root(path) else 0
-            pending = self._unrecorded.add(size - stale)
+            pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
             if self.max_bytes is not None or pending >= _UNRECORDED:
                 with self._usage() as used:
                     self.max_bytes = used[1] or None  # the folder's, as another process set it
@@ -660,10 +668,10 @@ class Cache:
         """``[bytes in entries/, budget (0: none)]``, read and written back in place under the
         usage file's lock, with the bytes this process had yet to record (read only: read,
         never written)."""
-        path = self.root / f"usage-{self.format}"
+        path = self._usage_path
         if not self.read_only:
             with _usage_file(path, self._scan_bytes) as state:
-                state[0] += self._unrecorded.take()
+                state[0] += _UNRECORDED_BYTES.take(self._usage_path)
                 yield state
             return
         try:
@@ -830,7 +838,7 @@ class Cache:
         format's byte count goes back to zero with them."""
         self._writable("clear")
         self._check_subdirs()
-        self._unrecorded.take()  # those bytes go too
+        _UNRECORDED_BYTES.take(self._usage_path)  # those bytes go too
         if self._packed is not None:
             self._packed.close()
             self._packed = Packed(self.root, self._packed.layout)
@@ -854,11 +862,21 @@ class Cache:
 
 
 @contextlib.contextmanager
-def _usage_file(path: Path, scan: Callable[[], int]) -> Iterator[list[int]]:
+def _usage_file(
+    path: Path, scan: Callable[[], int], patience: float | None = None
+) -> Iterator[list[int]]:
     """``[bytes, budget]`` in the usage file ``path``, written back in place under its lock;
-    ``scan`` counts the bytes when the file holds no count."""
+    ``scan`` counts the bytes when the file holds no count. ``patience``: seconds to wait for
+    the lock before TimeoutError (None: as long as it takes)."""
     lock = FileLock(path)
-    lock.acquire()
+    if patience is None:
+        lock.acquire()
+    else:
+        deadline = time.monotonic() + patience
+        while not lock.acquire(blocking=False):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} stayed locked")
+            time.sleep(0.01)
     try:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -876,15 +894,6 @@ def _parse_usage(raw: bytes, scan: Callable[[], int]) -> list[int]:
     used = int(fields[0]) if fields and fields[0].isdigit() else scan()
     budget = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
     return [used, budget]
-
-
-def _record_unrecorded(path: Path, box: list[int], lock: threading.Lock) -> None:
-    """Add what a process (or a collected Cache) had yet to record to the usage file."""
-    with lock:
-        pending, box[0] = box[0], 0
-    if pending:
-        with contextlib.suppress(Exception), _usage_file(path, _no_count) as state:
-            state[0] += pending
 
 
 def _no_count() -> int:
