@@ -85,6 +85,13 @@ def packed(cache: Cache, name: str) -> tuple[Path, int, int]:
     return Path(cache._packed._segment_path(where.segment)), where.offset, where.length
 
 
+def append(cache: Cache, name: str, pieces: list[Any]) -> None:
+    """Append an entry's bytes under ``name``'s digest, as a put would (whatever they hold)."""
+    assert cache._packed is not None
+    length = sum(memoryview(piece).nbytes for piece in pieces)
+    cache._packed.append(cache._digest(name), pieces, length, _packed.SEGMENT_BYTES)
+
+
 def packed_names(cache: Cache) -> set[str]:
     assert cache._packed is not None
     return {cache._packed.name_of(where, label) for _, where, label in cache._packed.live()}
@@ -212,7 +219,7 @@ def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
     writer = formats.PtFormat()  # a valid container, checksum and all, around a hostile pickle
     writer._encode = lambda leaves: ({"kinds": ["t"], "sizes": [blob.tell()]}, [blob.getbuffer()])  # type: ignore[method-assign]
     assert cache._packed is not None
-    cache._packed.append(cache._digest("x"), writer.encode(torch.ones(2), "x"))
+    append(cache, "x", writer.encode(torch.ones(2), "x"))
     assert cache.get("x") is None  # refused by weights_only, then deleted as corrupt
     assert not marker.exists()
     assert cache.counters.repairs == 1 and "x" not in cache
@@ -255,9 +262,7 @@ def segment_bytes(cache: Cache) -> int:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_bytes_written_between_usage_updates_are_counted_once(
-    tmp_path: Path, method: str
-) -> None:
+def test_bytes_written_between_usage_updates_are_counted_once(tmp_path: Path, method: str) -> None:
     """Without a budget a process records its bytes every 4 MiB and when it exits: a child
     (a DataLoader worker, say) records its own writes, never its parent's not yet recorded."""
 
@@ -661,7 +666,7 @@ def test_an_entry_read_for_another_name_is_never_returned(tmp_path: Path) -> Non
     descriptor) must not hand that sample out: the entry's own name is checked."""
     cache = Cache(tmp_path, format="npy")
     assert cache._packed is not None
-    cache._packed.append(cache._digest("b"), cache._packed.layout.encode(np.arange(3), "a"))
+    append(cache, "b", cache._packed.layout.encode(np.arange(3), "a"))
     assert cache.get("b") is None and cache.counters.repairs == 1
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from crc32c import crc32c
 
 from fastload.cache._locks import lock_whole
-from fastload.cache.formats import MIN_ENTRY, FileFormat
+from fastload.cache.formats import MIN_ENTRY, FileFormat, read_at
 from fastload.errors import CorruptEntryError
 
 __all__ = ["SEGMENT_BYTES", "Packed", "Where"]
@@ -180,6 +180,10 @@ class Packed:
         of entries that follow one another in it (the caller holds the lock)."""
         fd = self._segment_fd(segment)
         path = self._segment_path(segment)
+        if len(entries) == 1:  # Cache.get's
+            i, where = entries[0]
+            out[i] = _read_one(fd, path, where)
+            return
         entries.sort(key=lambda entry: entry[1].offset)
         run: list[tuple[int, Where]] = []
         for entry in entries:
@@ -274,11 +278,10 @@ class Packed:
     # --- writing ------------------------------------------------------------------------------
 
     def append(
-        self, digest: str, pieces: Sequence[bytes | memoryview], limit: int = SEGMENT_BYTES
-    ) -> int:
-        """Write an entry (its bytes in ``pieces``) and its record; the bytes written. A new
-        segment starts when this one would pass ``limit`` bytes (or was removed: ``clear``)."""
-        length = sum(memoryview(piece).nbytes for piece in pieces)
+        self, digest: str, pieces: Sequence[bytes | memoryview], length: int, limit: int
+    ) -> None:
+        """Write an entry (its ``length`` bytes in ``pieces``) and its record. A new segment
+        starts when this one would pass ``limit`` bytes (or was removed: ``clear``)."""
         with self._guard():
             writer = self._writer
             if writer is None or not writer.fits(length, limit):
@@ -293,7 +296,6 @@ class Packed:
                 self._writer = None
                 raise
             self._record(digest, Where(writer.segment, offset, length))
-        return length
 
     def remove(self, digest: str) -> None:
         """Record that ``digest`` has no entry (its bytes stay until their segment goes)."""
@@ -393,12 +395,12 @@ class _Writer:
         return os.fstat(self.fd).st_nlink > 0
 
     def write(self, pieces: Sequence[bytes | memoryview], length: int) -> int:
-        offset, written = self.size, 0
-        views = [memoryview(piece).cast("B") for piece in pieces]
-        while written < length:
-            count = os.writev(self.fd, views[:_IOV_MAX])
-            written += count
-            views = _after(views, count)
+        offset, written, views = self.size, 0, pieces
+        while True:
+            written += os.writev(self.fd, views[:_IOV_MAX])
+            if written >= length:
+                break
+            views = _after([memoryview(p).cast("B") for p in pieces], written)  # a short write
         self.size += length
         return offset
 
@@ -419,9 +421,17 @@ def _after(views: list[memoryview], count: int) -> list[memoryview]:
     return left
 
 
+def _read_one(fd: int, path: str, where: Where) -> Found:
+    label = f"{path}@{where.offset}"
+    try:
+        return read_at(fd, where.offset, where.length, label), label
+    except CorruptEntryError as exc:
+        return exc
+
+
 def _read_run(fd: int, path: str, run: list[tuple[int, Where]], out: list[Found]) -> None:
-    """Entries that follow one another in a segment, read by one ``preadv`` (a short read,
-    of a segment cut short, reads each alone to say which entry is truncated)."""
+    """Entries that follow one another in a segment, read by one ``preadv`` (after a short
+    read, of a segment cut short, each is read alone to say which entry is truncated)."""
     buffers = [np.empty(where.length, np.uint8) for _, where in run]
     start = run[0][1].offset
     total = sum(where.length for _, where in run)
@@ -430,14 +440,14 @@ def _read_run(fd: int, path: str, run: list[tuple[int, Where]], out: list[Found]
     while got < total and (count := os.preadv(fd, views[:_IOV_MAX], start + got)):
         got += count
         views = _after(views, count)
-    if got != total and len(run) > 1:
-        for entry in run:
-            _read_run(fd, path, [entry], out)
+    if got != total:
+        for i, where in run:
+            out[i] = _read_one(fd, path, where)
         return
     for (i, where), buffer in zip(run, buffers, strict=True):
         label = f"{path}@{where.offset}"
-        if got != total or where.length < MIN_ENTRY:
-            out[i] = CorruptEntryError(f"cache entry is truncated or changed while read: {label}")
+        if where.length < MIN_ENTRY:
+            out[i] = CorruptEntryError(f"cache entry is truncated ({where.length} bytes): {label}")
         else:
             out[i] = buffer, label
 

@@ -39,7 +39,7 @@ from crc32c import crc32c
 
 from fastload._extras import import_extra
 from fastload.cache._locks import private_dirs
-from fastload.cache._tree import Leaf, flatten, unflatten
+from fastload.cache._tree import Leaf, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
@@ -264,10 +264,7 @@ def _json(raw: bytes, path: str | Path) -> dict[str, Any]:
 
 def _leaf_kinds(leaves: list[Leaf]) -> list[str]:
     """ "t" for a tensor, else the array's dtype (its byte order included)."""
-    return [
-        "t" if isinstance(leaf, torch.Tensor) else str(np.lib.format.dtype_to_descr(leaf.dtype))
-        for leaf in leaves
-    ]
+    return ["t" if isinstance(leaf, torch.Tensor) else str(descr(leaf.dtype)) for leaf in leaves]
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
@@ -326,9 +323,7 @@ class NpyFormat(FileFormat):
             else:
                 array = _contiguous(leaf)
                 flat = array.reshape(-1).view(np.uint8)
-                arrays.append(
-                    {"dtype": np.lib.format.dtype_to_descr(array.dtype), "shape": [*array.shape]}
-                )
+                arrays.append({"dtype": descr(array.dtype), "shape": [*array.shape]})
             blobs.append(flat.data)
         return {"arrays": arrays, "sizes": [b.nbytes for b in blobs]}, blobs
 

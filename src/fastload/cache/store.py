@@ -640,7 +640,7 @@ class Cache:
         if self.max_bytes is not None:
             limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
         try:
-            self._packed.append(digest, pieces, limit)
+            self._packed.append(digest, pieces, size, limit)
             path = self._path(digest)
             stale = _remove(path) if self._legacy and self._in_root(path) else 0
             pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
