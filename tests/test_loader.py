@@ -281,15 +281,21 @@ def test_the_forkserver_starts_with_the_loader_not_the_first_batch(tmp_path: Pat
     script.write_text(
         textwrap.dedent(
             """
-            import os, fastload
+            import os, time, fastload
             from pathlib import Path
 
-            if __name__ == "__main__":
-                loader = fastload.DataLoader(list(range(8)), batch_size=4, num_workers=2)
+            def forkserver_child() -> bool:
                 me = os.getpid()
                 children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
                 lines = [Path(f"/proc/{c}/cmdline").read_bytes() for c in children]
-                print(loader.multiprocessing_context, any(b"forkserver" in x for x in lines))
+                return any(b"forkserver" in x for x in lines)
+
+            if __name__ == "__main__":
+                loader = fastload.DataLoader(list(range(8)), batch_size=4, num_workers=2)
+                deadline = time.monotonic() + 30  # started; its exec may still be under way
+                while not forkserver_child() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                print(loader.multiprocessing_context, forkserver_child())
             """
         )
     )
