@@ -178,7 +178,7 @@ class _Batched(Dataset[Any]):
 
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Make and cache ``indices`` in the background (needs a cache); later reads hit.
-        Entries already in the cache are skipped (one stat each). After ``_WARM_STREAK``
+        Entries already in the cache are skipped (the index is looked at once per batch). After ``_WARM_STREAK``
         batches with nothing missing, only one batch in ``_WARM_PROBE`` is checked until one
         misses again: a batch left unchecked that misses is made when it is read.
 
@@ -198,7 +198,8 @@ class _Batched(Dataset[Any]):
         positions = [self._index(i) for i in indices]
 
         def run() -> None:
-            missing = [i for i in positions if self._cache_name(i) not in cache]
+            there = cache.contains_many([self._cache_name(i) for i in positions])
+            missing = [i for i, hit in zip(positions, there, strict=True) if not hit]
             if missing:
                 self._warm_batches = 0
                 self._items(missing)

@@ -193,10 +193,16 @@ class Packed:
             run.append(entry)
         _read_run(fd, path, run, out)
 
-    def holds(self, digest: str) -> bool:
-        """Whether the index has ``digest`` and its segment is there."""
-        where = self.find(digest)
-        return where is not None and os.path.exists(self._segment_path(where.segment))
+    def holds(self, digests: Sequence[str]) -> list[bool]:
+        """Whether the index has each digest and its segment is there (each index shard and
+        segment looked at once)."""
+        with self._guard():
+            places = self._find_all(digests)
+        there = {
+            segment: os.path.exists(self._segment_path(segment))
+            for segment in {where.segment for where in places if where is not None}
+        }
+        return [where is not None and there[where.segment] for where in places]
 
     def count(self) -> int:
         """Entries whose segment is there."""
@@ -235,8 +241,11 @@ class Packed:
     def _refresh(self, shard: str) -> None:
         """Apply the shard's records appended since the last read (all of them if the file was
         replaced or is new to this process)."""
-        path = self.index / f"{shard}{self.suffix}"
+        path = f"{self.index}/{shard}{self.suffix}"
         try:
+            status = os.stat(path)
+            if self._read_to.get(shard) == (status.st_ino, status.st_size):
+                return  # nothing new: a stat, not an open and a read (a cold epoch's misses)
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:  # none yet, or cleared
             self._known.pop(shard, None)

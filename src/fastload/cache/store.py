@@ -445,12 +445,17 @@ class Cache:
         return default if value is _MISSING else value
 
     def __contains__(self, name: object) -> bool:
-        if not isinstance(name, str):
-            return False
-        digest = self._digest(name)
-        if self._packed is not None and self._packed.holds(digest):
-            return True
-        return os.path.exists(self._path(digest))
+        return isinstance(name, str) and self.contains_many([name])[0]
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name has an entry (a batch's lookahead check: the index is looked at
+        once for all of them)."""
+        digests = [self._digest(name) for name in names]
+        held = [False] * len(digests) if self._packed is None else self._packed.holds(digests)
+        return [
+            there or (self._legacy and os.path.exists(self._path(digest)))
+            for there, digest in zip(held, digests, strict=True)
+        ]
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[Any]:
@@ -769,7 +774,7 @@ class Cache:
         path = self._path(digest)
         lock.acquire()
         try:
-            packed = self._packed is not None and self._packed.holds(digest)
+            packed = self._packed is not None and self._packed.holds([digest])[0]
             if packed and self._packed is not None:
                 self._packed.remove(digest)  # its bytes go with their segment
             freed = _remove(path) if self._in_root(path) else 0
