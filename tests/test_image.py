@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from fastload.errors import DecodeError
-from fastload.transforms import decode_image, decode_tiff, decoder
+from fastload.transforms import decode_image, decode_npy, decode_tiff, decoder
 
 RNG = np.random.default_rng(0)
 GRAY16 = RNG.integers(0, 65536, (37, 53), dtype=np.uint16)  # full range, odd sizes
@@ -101,3 +101,47 @@ def test_tiff_decoder_reads_every_page_and_sample_layout() -> None:
 def test_not_an_image_is_a_decode_error(decode: object) -> None:
     with pytest.raises(DecodeError):
         decode(b"definitely not an image")  # type: ignore[operator]
+
+
+def _npy(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
+    out = io.BytesIO()
+    if version is None:
+        np.save(out, array, allow_pickle=False)
+    else:
+        np.lib.format.write_array(out, array, version=version, allow_pickle=False)
+    return out.getvalue()
+
+
+NPY_CASES = [
+    np.arange(12, dtype=">u2").reshape(3, 4) * 5000,  # 16-bit, big-endian
+    np.asfortranarray(np.random.default_rng(0).random((5, 7), dtype=np.float32)),
+    np.array(3.5),  # 0-d
+    np.zeros((0, 4), np.int64),
+    np.zeros(3, dtype=[("x", "<f4"), ("n", "<i2")]),  # structured, no objects
+    np.random.default_rng(1).integers(0, 2**16, (3, 160, 160), dtype=np.uint16),
+]
+
+
+@pytest.mark.parametrize("array", NPY_CASES, ids=lambda a: f"{a.dtype}{a.shape}")
+@pytest.mark.parametrize("version", [None, (2, 0), (3, 0)])
+def test_npy_decoder_gives_what_np_load_gives(
+    array: np.ndarray, version: tuple[int, int] | None
+) -> None:
+    data = _npy(array, version)
+    for body in (data, memoryview(data), data + b"trailing"):  # tar members come as views
+        got, expected = decode_npy(body), np.load(io.BytesIO(data), allow_pickle=False)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert got.flags.f_contiguous == expected.flags.f_contiguous
+        assert np.array_equal(got, expected) and got.flags.writeable
+
+
+def test_npy_decoder_refuses_truncated_object_and_foreign_files() -> None:
+    data = _npy(np.arange(100, dtype=np.float64))
+    with pytest.raises(ValueError, match="truncated"):
+        decode_npy(data[:-8])
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="objects"):
+        decode_npy(pickled.getvalue())
+    with pytest.raises(ValueError, match=r"no .x93NUMPY magic"):  # np.load: a .npz
+        decode_npy(b"PK\x03\x04 a zip, not an npy file")

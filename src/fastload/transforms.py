@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import CodeType, FunctionType
@@ -190,9 +191,52 @@ class Resize(_Params):
 
 @versioned(1)
 def decode_npy(data: bytes) -> np.ndarray:
-    """A .npy file's array (pickled object arrays are refused)."""
-    array: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
+    """A .npy file's array (pickled object arrays are refused), the same as ``np.load`` gives.
+
+    Each distinct header is parsed once per process and the array copied straight out of
+    ``data``: ``np.load`` of a 150 KB array cost 66 µs here, this 5 µs (most of it the copy).
+    """
+    if data[:6] != b"\x93NUMPY":  # np.load would take a zip for .npz, or try a pickle
+        raise ValueError("not a .npy file (no \\x93NUMPY magic)")
+    if data[6:7] not in (b"\x01", b"\x02"):  # version 3 (UTF-8 field names)
+        loaded: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
+        return loaded
+    dtype, shape, fortran, start = _npy_header(data)
+    if dtype.hasobject:
+        raise ValueError("the .npy file holds Python objects (pickles are refused)")
+    count = math.prod(shape)
+    if len(data) - start < count * dtype.itemsize:
+        raise ValueError(
+            f"the .npy file is truncated: {len(data) - start} bytes of data for {count} "
+            f"items of {dtype}"
+        )
+    flat = np.frombuffer(data, dtype, count=count, offset=start)
+    view = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+    array: np.ndarray = view.copy(order="K")  # writable, and not tied to the fetched bytes
     return array
+
+
+_npy_headers: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], bool, int]] = {}
+
+
+def _npy_header(data: bytes) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+    """(dtype, shape, Fortran order, where the data starts) of a version 1 or 2 .npy file."""
+    if data[6] == 1:
+        start = 10 + int.from_bytes(data[8:10], "little")
+    else:
+        start = 12 + int.from_bytes(data[8:12], "little")
+    key = bytes(data[:start])
+    parsed = _npy_headers.get(key)
+    if parsed is None:
+        source = io.BytesIO(key)
+        if np.lib.format.read_magic(source) == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(source)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(source)
+        if len(_npy_headers) >= 4096:
+            _npy_headers.clear()
+        parsed = _npy_headers[key] = (dtype, tuple(shape), bool(fortran), start)
+    return parsed
 
 
 @versioned(1)
