@@ -8,6 +8,7 @@ defaults (edits to the function change it; edits to what it calls do not, so pre
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -216,27 +217,23 @@ def decode_npy(data: bytes) -> np.ndarray:
     return array
 
 
-_npy_headers: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], bool, int]] = {}
-
-
 def _npy_header(data: bytes) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
     """(dtype, shape, Fortran order, where the data starts) of a version 1 or 2 .npy file."""
     if data[6] == 1:
         start = 10 + int.from_bytes(data[8:10], "little")
     else:
         start = 12 + int.from_bytes(data[8:12], "little")
-    key = bytes(data[:start])
-    parsed = _npy_headers.get(key)
-    if parsed is None:
-        source = io.BytesIO(key)
-        if np.lib.format.read_magic(source) == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(source)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(source)
-        if len(_npy_headers) >= 4096:
-            _npy_headers.clear()
-        parsed = _npy_headers[key] = (dtype, tuple(shape), bool(fortran), start)
-    return parsed
+    return (*_parsed_npy_header(bytes(data[:start])), start)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_npy_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], bool]:
+    source = io.BytesIO(header)
+    if np.lib.format.read_magic(source) == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(source)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(source)
+    return dtype, tuple(shape), bool(fortran)
 
 
 @versioned(1)

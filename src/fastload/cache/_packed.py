@@ -73,15 +73,16 @@ class Packed:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._writer: _Writer | None = None
         self._appending: dict[str, int] = {}  # index shards open for appending, by shard
-        self._appending_pid = os.getpid()
         self._mutex = threading.Lock()
         self._pid = os.getpid()
 
     def _guard(self) -> threading.Lock:
         """This object's lock; a forked child gets a new one (another thread of the parent
-        may have held it at the fork, and no thread of the child would ever release it)."""
+        may have held it at the fork, and no thread of the child would ever release it), and
+        opens the index for appending again (the parent's appends are not its own)."""
         if self._pid != os.getpid():
             self._mutex, self._pid = threading.Lock(), os.getpid()
+            self._appending = {}
         return self._mutex
 
     def seal(self) -> None:
@@ -123,11 +124,8 @@ class Packed:
         """:meth:`read` of many entries at once, each failure in its slot: the index looked
         up and each segment opened and checked once per call, and each run of entries that
         follow one another in a segment read by one ``preadv``. ``again``: look up once more
-        the entries whose segment was evicted since the index was read.
-
-        (Copying entries out of a map of each segment kept open read a warm epoch of 77 KB
-        samples 1.28x faster than this, against 1.15x, but left every page read mapped into
-        the process: its resident memory grew by the bytes of the cache it read.)"""
+        the entries whose segment was evicted since the index was read. (Why not a map of
+        each segment: docs/benchmarks.md, "Batched segment reads".)"""
         out: list[Found] = [None] * len(digests)
         gone: list[int] = []
         with self._guard():
@@ -326,8 +324,6 @@ class Packed:
         """The shard's index, open for appending (the caller holds the lock). Kept open while
         this process writes to one segment: a cleared index goes with the segment, and the
         next segment opens the index again."""
-        if self._appending_pid != os.getpid():  # a forked child: the parent's are not ours
-            self._appending, self._appending_pid = {}, os.getpid()
         fd = self._appending.get(shard)
         if fd is None:
             path = f"{self.index}/{shard}{self.suffix}"
@@ -336,9 +332,9 @@ class Packed:
         return fd
 
     def _close_index(self) -> None:
-        if self._appending_pid == os.getpid():
-            for fd in self._appending.values():
-                os.close(fd)
+        """Close the index shards open for appending (the caller holds the lock)."""
+        for fd in self._appending.values():
+            os.close(fd)
         self._appending = {}
 
     # --- segments as a whole ------------------------------------------------------------------

@@ -646,8 +646,7 @@ class Cache:
             limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
         try:
             self._packed.append(digest, pieces, size, limit)
-            path = self._path(digest)
-            stale = _remove(path) if self._legacy and self._in_root(path) else 0
+            stale = self._remove_legacy(digest) if self._legacy else 0
             pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
             if self.max_bytes is not None or pending >= _UNRECORDED:
                 with self._usage() as used:
@@ -660,6 +659,11 @@ class Cache:
             ) from exc
         self.counters.writes += 1
         self.counters.bytes_written += size
+
+    def _remove_legacy(self, digest: str) -> int:
+        """Delete the entry an earlier version wrote as a file of its own; the bytes freed."""
+        path = self._path(digest)
+        return _remove(path) if self._in_root(path) else 0
 
     def _warn_once(self, name: str, message: str) -> None:
         if name not in self._warned:
