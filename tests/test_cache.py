@@ -85,16 +85,29 @@ def packed(cache: Cache, name: str) -> tuple[Path, int, int]:
     return Path(cache._packed._segment_path(where.segment)), where.offset, where.length
 
 
-def append(cache: Cache, name: str, pieces: list[Any]) -> None:
-    """Append an entry's bytes under ``name``'s digest, as a put would (whatever they hold)."""
+def append(cache: Cache, name: str, entry: formats.Encoded) -> None:
+    """Append an entry under ``name``'s digest, as a put would (whatever it holds)."""
     assert cache._packed is not None
-    length = sum(memoryview(piece).nbytes for piece in pieces)
-    cache._packed.append(cache._digest(name), pieces, length, _packed.SEGMENT_BYTES)
+    cache._packed.append(cache._digest(name), entry, _packed.SEGMENT_BYTES)
 
 
-def packed_names(cache: Cache) -> set[str]:
+def check_of(cache: Cache, name: str) -> bytes:
+    """The digest bytes an entry for ``name`` carries."""
+    return bytes.fromhex(cache._digest(name))[: formats.CHECK_BYTES]
+
+
+def append_raw(cache: Cache, name: str, data: bytes) -> None:
+    """A segment of its own holding ``data`` as ``name``'s entry, as an earlier version wrote
+    them."""
     assert cache._packed is not None
-    return {cache._packed.name_of(where, label) for _, where, label in cache._packed.live()}
+    segment = 0x5E61
+    path = Path(cache._packed._segment_path(segment))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as f:
+        offset = f.tell()
+        f.write(data)
+    with cache._packed._guard():
+        cache._packed._record(cache._digest(name), _packed.Where(segment, offset, len(data)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -217,9 +230,9 @@ def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
     blob = io.BytesIO()
     torch.save([Evil()], blob)
     writer = formats.PtFormat()  # a valid container, checksum and all, around a hostile pickle
-    writer._encode = lambda leaves: ({"kinds": ["t"], "sizes": [blob.tell()]}, [blob.getbuffer()])  # type: ignore[method-assign]
+    writer._encode = lambda leaves: ({"kinds": ["t"]}, [blob.tell()], [blob.getbuffer()])  # type: ignore[method-assign]
     assert cache._packed is not None
-    append(cache, "x", writer.encode(torch.ones(2), "x"))
+    append(cache, "x", writer.encode(torch.ones(2), check_of(cache, "x")))
     assert cache.get("x") is None  # refused by weights_only, then deleted as corrupt
     assert not marker.exists()
     assert cache.counters.repairs == 1 and "x" not in cache
@@ -655,6 +668,7 @@ def test_small_entries_share_segments_not_a_file_and_block_each(tmp_path: Path) 
     segments = list((tmp_path / "segments").iterdir())
     on_disk = sum(p.stat().st_blocks * 512 for p in segments)
     assert len(segments) == 1 and on_disk < 2000 * 4096 / 4
+    assert segments[0].stat().st_size < 2000 * (100 + 48)  # a shared structure, no name
     assert cache.stats()["used_bytes"] == sum(p.stat().st_size for p in segments)
     assert len(cache) == 2000 and not list((tmp_path / "entries").rglob("*.flnpy"))
     for i in (0, 999, 1999):
@@ -663,10 +677,10 @@ def test_small_entries_share_segments_not_a_file_and_block_each(tmp_path: Path) 
 
 def test_an_entry_read_for_another_name_is_never_returned(tmp_path: Path) -> None:
     """The index pointing at a valid entry of another sample (a misfiled record, a reused
-    descriptor) must not hand that sample out: the entry's own name is checked."""
+    descriptor) must not hand that sample out: the entry's digest bytes are checked."""
     cache = Cache(tmp_path, format="npy")
     assert cache._packed is not None
-    append(cache, "b", cache._packed.layout.encode(np.arange(3), "a"))
+    append(cache, "b", cache._packed.layout.encode(np.arange(3), check_of(cache, "a")))
     assert cache.get("b") is None and cache.counters.repairs == 1
 
 
@@ -748,53 +762,88 @@ def test_a_batch_read_across_an_evicted_segment_recomputes_only_its_entries(
 # --- budget -------------------------------------------------------------------------------------
 
 
-def _first_layout_entry(path: Path, name: str, array: np.ndarray) -> None:
-    """An npy entry as fastload wrote them before FLCACHE2: the name inside the JSON header."""
+def _earlier_entry(version: int, name: str, array: np.ndarray) -> bytes:
+    """An npy entry as fastload wrote them before FLC3: FLCACHE1 kept the name inside the JSON
+    header, FLCACHE2 after it; both kept the structure and values in the header."""
     from crc32c import crc32c
 
-    header = json.dumps(
-        {
-            "name": name,
-            "format": "npy",
-            "spec": ["n", 0],
-            "arrays": [{"dtype": array.dtype.str, "shape": list(array.shape)}],
-            "sizes": [array.nbytes],
-        }
-    ).encode()
-    head = b"FLCACHE1" + len(header).to_bytes(8, "little") + header
+    header = {
+        "format": "npy",
+        "spec": ["d", [["x", ["n", 0]], ["label", ["v", 7]], ["id", ["s", "<i8", 12]]]],
+        "arrays": [{"dtype": array.dtype.str, "shape": list(array.shape)}],
+        "sizes": [array.nbytes],
+    }
+    if version == 1:
+        raw = json.dumps({"name": name, **header}).encode()
+        head = b"FLCACHE1" + len(raw).to_bytes(8, "little") + raw
+    else:
+        raw, named = json.dumps(header).encode(), name.encode("utf-8", "surrogatepass")
+        head = b"FLCACHE2" + len(raw).to_bytes(8, "little") + len(named).to_bytes(8, "little")
+        head += raw + named
     body = head + bytes(-len(head) % 64) + array.tobytes()
-    path.write_bytes(body + crc32c(body).to_bytes(4, "little") + b"FLC.")
+    return body + crc32c(body).to_bytes(4, "little") + b"FLC."
 
 
-def test_entries_of_the_first_layout_are_still_read(tmp_path: Path) -> None:
-    """Entries of earlier versions, one file each (FLCACHE1 and FLCACHE2), are still read."""
+def test_entries_of_earlier_layouts_are_still_read(tmp_path: Path) -> None:
+    """Entries of earlier versions are still read: FLCACHE1 and FLCACHE2 files of their own,
+    and FLCACHE2 entries in segments; an FLCACHE2 entry filed under another name is refused."""
     cache = Cache(tmp_path, format="npy")
     array = np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000
-    path = Path(cache._path(cache._digest("old")))
-    path.parent.mkdir(parents=True)
-    _first_layout_entry(path, "s3://b/old \udcff", array)
-    second = Path(cache._path(cache._digest("second")))
-    second.parent.mkdir(parents=True, exist_ok=True)
-    formats.NpyFormat().write(array, "second", second)
+    for version, name in [(1, "s3://b/old \udcff"), (2, "second")]:
+        path = Path(cache._path(cache._digest(name)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_earlier_entry(version, name, array))
+    append_raw(cache, "in a segment", _earlier_entry(2, "in a segment", array))
+    append_raw(cache, "misfiled", _earlier_entry(2, "another", array))
     cache = Cache(tmp_path, format="npy")  # opened by this version over the earlier one's
-    assert np.array_equal(cache.get("second"), array) and len(cache) == 2
-    out = cache.get("old")
-    assert out.dtype == np.uint16 and np.array_equal(out, array)
+    for name in ("s3://b/old \udcff", "second", "in a segment"):
+        out = cache.get(name)
+        assert out["x"].dtype == np.uint16 and np.array_equal(out["x"], array), name
+        assert out["label"] == 7 and out["id"] == 12 and out["id"].dtype == np.int64
     assert cache.counters.repairs == 0
+    assert cache.get("misfiled") is None and cache.counters.repairs == 1
+    path = cache._path(cache._digest("s3://b/old \udcff"))
     assert formats.NpyFormat().name_of(path) == "s3://b/old \udcff"
 
 
-def test_samples_of_one_structure_share_a_parsed_header(tmp_path: Path) -> None:
-    """Names live outside the header, so a dataset's entries parse a header per structure (and
-    plain values, such as labels), not one each."""
+def test_samples_of_one_structure_share_one_structure_record(tmp_path: Path) -> None:
+    """Values (ids, labels, shapes) live outside the structure, so a dataset's entries write
+    and parse one structure per segment, not one each."""
     cache = Cache(tmp_path, format="npy")
     formats._parsed.clear()
     for i in range(20):
-        cache.put(f"s3://b/k{i}\udcff", {"x": np.full((2, 3), i, np.int16), "y": i % 2})
+        sample = {"x": np.full((2, i + 1), i, np.int16), "y": i % 2, "id": f"k{i}"}
+        cache.put(f"s3://b/k{i}\udcff", sample)
+    cache.put("other", (np.zeros(3), None))
     cache.counters.hits = 0
-    assert [int(cache.get(f"s3://b/k{i}\udcff")["x"][1, 2]) for i in range(20)] == list(range(20))
-    assert len(formats._parsed) == 2 and cache.counters.hits == 20  # values live in the spec
-    assert packed_names(cache) == {f"s3://b/k{i}\udcff" for i in range(20)}
+    cache = Cache(tmp_path, format="npy")
+    got = [cache.get(f"s3://b/k{i}\udcff") for i in range(20)]
+    assert [int(g["x"][1, i]) for i, g in enumerate(got)] == list(range(20))
+    assert [g["y"] for g in got] == [i % 2 for i in range(20)]
+    assert [g["id"] for g in got] == [f"k{i}" for i in range(20)]
+    assert cache.get("other")[1] is None
+    assert len(formats._parsed) == 2 and cache.counters.hits == 21
+    (segment,) = (tmp_path / "segments").iterdir()
+    assert segment.read_bytes().count(b"FLS3") == 2
+
+
+def test_a_damaged_structure_record_loses_only_its_entries(tmp_path: Path) -> None:
+    """The entries of a damaged structure record are misses (recomputed); the writer that
+    wrote it, once it reads the damage, writes a sound one for its next entries."""
+    cache = Cache(tmp_path, format="npy")
+    for i in range(5):
+        cache.put(f"a{i}", {"x": np.full(4, i)})
+    cache.put("b", [np.ones(2)])
+    (segment,) = (tmp_path / "segments").iterdir()
+    data = bytearray(segment.read_bytes())
+    data[data.index(b"FLS3") + 12] ^= 0x20  # a bit of the first structure's JSON
+    segment.write_bytes(bytes(data))
+    assert cache.get("a0") is None  # the writer finds it damaged ...
+    cache.put("a0", {"x": np.full(4, 0)})  # ... and writes the structure again
+    reader = Cache(tmp_path, format="npy")
+    assert [reader.get(f"a{i}") for i in range(1, 5)] == [None] * 4
+    assert np.array_equal(reader.get("a0")["x"], np.full(4, 0))
+    assert np.array_equal(reader.get("b")[0], np.ones(2)) and reader.counters.repairs == 4
 
 
 def test_reads_are_recorded_only_under_a_budget(tmp_path: Path) -> None:

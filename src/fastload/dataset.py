@@ -701,11 +701,11 @@ class CachedDataset(_Batched):
 def _same(a: Any, b: Any) -> bool:
     """Whether two samples are equal, leaf by leaf (tensors, arrays, nested containers)."""
     try:
-        spec_a, leaves_a = flatten(a)
-        spec_b, leaves_b = flatten(b)
+        spec_a, values_a, leaves_a = flatten(a)
+        spec_b, values_b, leaves_b = flatten(b)
     except UnsupportedSampleError:
         return True  # the cache refuses such samples anyway
-    if spec_a != spec_b or len(leaves_a) != len(leaves_b):
+    if spec_a != spec_b or values_a != values_b or len(leaves_a) != len(leaves_b):
         return False
     return all(
         np.array_equal(np.asarray(x), np.asarray(y))

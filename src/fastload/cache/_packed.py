@@ -4,8 +4,9 @@ A file per entry cost about 1 ms of kernel time to create on this project's ext4
 1.9 ms with two levels of folders), against 0.05 ms to append the same bytes to an open file; and
 a small entry filled a 4 KB block. So ``pt`` and ``npy`` entries go into segments::
 
-    segments/<id><suffix>     entries one after another, each the same self-checking bytes as
-                              a one-file entry; one writing process per segment (its id is
+    segments/<id><suffix>     entries one after another, self-checking, and before the first
+                              entry of each structure its structure record (see
+                              cache/formats.py); one writing process per segment (its id is
                               random), which holds a shared lock on it while it may append
     index/<ab><suffix>        fixed 48-byte records, one per write or removal of an entry whose
                               digest starts with ``ab``: digest, segment, offset, length, CRC32C
@@ -29,12 +30,13 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from crc32c import crc32c
 
 from fastload.cache._locks import lock_whole
-from fastload.cache.formats import MIN_ENTRY, FileFormat, read_at
+from fastload.cache.formats import MIN_ENTRY, Encoded, FileFormat, read_at
 from fastload.errors import CorruptEntryError
 
 __all__ = ["SEGMENT_BYTES", "Packed", "Where"]
@@ -44,10 +46,14 @@ SEGMENT_BYTES = 256 * 2**20
 _RECORD = struct.Struct("<20sQQQI")  # digest, segment id, offset, length, CRC32C of the rest
 _OPEN_SEGMENTS = 64  # read descriptors kept open per process
 _IOV_MAX = 1024  # buffers one writev takes (Linux)
+_STRUCTURES = 4096  # parsed structure records kept per process, by segment and offset
+_FAR = 1 << 32  # an entry's structure record is less than this before it
 
-
-Found = tuple[np.ndarray, str] | CorruptEntryError | None
-"""An entry's bytes and a description for errors, why it cannot be read, or None: no entry."""
+Entry = tuple[np.ndarray, str, dict[str, Any] | None]
+"""An entry's bytes, a description for errors, and its parsed structure (None: an earlier
+version's entry, which holds its own)."""
+Found = Entry | CorruptEntryError | None
+"""An entry, why it cannot be read, or None: no entry."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Packed:
         self._known: dict[str, dict[bytes, Where]] = {}  # per index shard, as read so far
         self._read_to: dict[str, tuple[int, int]] = {}  # shard -> (inode, bytes read)
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self._structures: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
         self._writer: _Writer | None = None
         self._appending: dict[str, int] = {}  # index shards open for appending, by shard
         self._mutex = threading.Lock()
@@ -111,7 +118,7 @@ class Packed:
         with self._guard():
             return self._find_all([digest])[0]
 
-    def read(self, digest: str, *, touch: bool) -> tuple[np.ndarray, str] | None:
+    def read(self, digest: str, *, touch: bool) -> Entry | None:
         """The entry's bytes and a description for errors; None when there is none (never
         written, removed, or its segment evicted); CorruptEntryError when it is cut short.
         ``touch``: mark its segment used (the least-recently-used order is by segment)."""
@@ -178,18 +185,43 @@ class Packed:
         of entries that follow one another in it (the caller holds the lock)."""
         fd = self._segment_fd(segment)
         path = self._segment_path(segment)
+        raw: dict[int, Raw] = {}
         if len(entries) == 1:  # Cache.get's
             i, where = entries[0]
-            out[i] = _read_one(fd, path, where)
-            return
-        entries.sort(key=lambda entry: entry[1].offset)
-        run: list[tuple[int, Where]] = []
-        for entry in entries:
-            if run and (run[-1][1].offset + run[-1][1].length != entry[1].offset):
-                _read_run(fd, path, run, out)
-                run = []
-            run.append(entry)
-        _read_run(fd, path, run, out)
+            raw[i] = _read_one(fd, path, where)
+        else:
+            entries.sort(key=lambda entry: entry[1].offset)
+            run: list[tuple[int, Where]] = []
+            for entry in entries:
+                if run and (run[-1][1].offset + run[-1][1].length != entry[1].offset):
+                    _read_run(fd, path, run, raw)
+                    run = []
+                run.append(entry)
+            _read_run(fd, path, run, raw)
+        for i, where in entries:
+            out[i] = self._with_structure(fd, segment, where, raw[i])
+
+    def _with_structure(self, fd: int, segment: int, where: Where, raw: Raw) -> Found:
+        """The entry read, with its structure record parsed (once per process and record)."""
+        if isinstance(raw, CorruptEntryError):
+            return raw
+        buffer, label = raw
+        distance = self.layout.distance(buffer)
+        if distance is None:
+            return buffer, label, None
+        at = (segment, where.offset - distance)
+        structure = self._structures.get(at)
+        if structure is None:
+            try:
+                structure = self.layout.structure(fd, at[1], label)
+            except (CorruptEntryError, OSError) as exc:
+                if self._writer is not None and self._writer.segment == segment:
+                    self._writer.structures.clear()  # write a sound one for the next entries
+                return exc if isinstance(exc, CorruptEntryError) else CorruptEntryError(str(exc))
+            self._structures[at] = structure
+            if len(self._structures) > _STRUCTURES:
+                self._structures.popitem(last=False)
+        return buffer, label, structure
 
     def holds(self, digests: Sequence[str]) -> list[bool]:
         """Whether the index has each digest and its segment is there (each index shard and
@@ -284,25 +316,32 @@ class Packed:
 
     # --- writing ------------------------------------------------------------------------------
 
-    def append(
-        self, digest: str, pieces: Sequence[bytes | memoryview], length: int, limit: int
-    ) -> None:
-        """Write an entry (its ``length`` bytes in ``pieces``) and its record. A new segment
-        starts when this one would pass ``limit`` bytes (or was removed: ``clear``)."""
+    def append(self, digest: str, entry: Encoded, limit: int) -> int:
+        """Write an entry (with its structure record, unless this segment has it) and its
+        index record; the bytes written. A new segment starts when this one would pass
+        ``limit`` bytes (or was removed: ``clear``)."""
         with self._guard():
             writer = self._writer
-            if writer is None or not writer.fits(length, limit):
+            if writer is None or not writer.fits(entry.length + len(entry.structure), limit):
                 if writer is not None and writer.pid == os.getpid():
                     writer.close()
                 self._close_index()
                 writer = self._writer = _Writer(self.segments, self.suffix)
+            at = writer.structures.get(entry.structure)
+            if at is None or writer.size - at >= _FAR:
+                at = writer.size
+            record = entry.structure if at == writer.size else b""
+            start = writer.size + len(record)
+            length = len(record) + entry.length
             try:
-                offset = writer.write(pieces, length)
+                writer.write([record, *entry.body, entry.tail(start - at)], length)
             except BaseException:  # part of it may be in the file: no more appends there
                 writer.close()
                 self._writer = None
                 raise
-            self._record(digest, Where(writer.segment, offset, length))
+            writer.structures[entry.structure] = at
+            self._record(digest, Where(writer.segment, start, entry.length))
+            return length
 
     def remove(self, digest: str) -> None:
         """Record that ``digest`` has no entry (its bytes stay until their segment goes)."""
@@ -389,6 +428,7 @@ class _Writer:
         self.fd = os.open(path, flags, 0o600)
         lock_whole(self.fd, shared=True)
         self.size = 0
+        self.structures: dict[bytes, int] = {}  # structure record -> its offset here
 
     def fits(self, length: int, limit: int) -> bool:
         """Whether this process may append ``length`` more bytes to this segment (it is ours,
@@ -399,15 +439,14 @@ class _Writer:
             return False
         return os.fstat(self.fd).st_nlink > 0
 
-    def write(self, pieces: Sequence[bytes | memoryview], length: int) -> int:
-        offset, written, views = self.size, 0, pieces
+    def write(self, pieces: Sequence[bytes | memoryview], length: int) -> None:
+        written, views = 0, pieces
         while True:
             written += os.writev(self.fd, views[:_IOV_MAX])
             if written >= length:
                 break
             views = _after([memoryview(p).cast("B") for p in pieces], written)  # a short write
         self.size += length
-        return offset
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -426,7 +465,11 @@ def _after(views: list[memoryview], count: int) -> list[memoryview]:
     return left
 
 
-def _read_one(fd: int, path: str, where: Where) -> Found:
+Raw = tuple[np.ndarray, str] | CorruptEntryError
+"""An entry's bytes and a description for errors, or why they cannot be read."""
+
+
+def _read_one(fd: int, path: str, where: Where) -> Raw:
     label = f"{path}@{where.offset}"
     try:
         return read_at(fd, where.offset, where.length, label), label
@@ -434,9 +477,10 @@ def _read_one(fd: int, path: str, where: Where) -> Found:
         return exc
 
 
-def _read_run(fd: int, path: str, run: list[tuple[int, Where]], out: list[Found]) -> None:
-    """Entries that follow one another in a segment, read by one ``preadv`` (after a short
-    read, of a segment cut short, each is read alone to say which entry is truncated)."""
+def _read_run(fd: int, path: str, run: list[tuple[int, Where]], out: dict[int, Raw]) -> None:
+    """Entries that follow one another in a segment, read by one ``preadv`` into ``out`` by
+    position (after a short read, of a segment cut short, each is read alone to say which entry
+    is truncated)."""
     buffers = [np.empty(where.length, np.uint8) for _, where in run]
     start = run[0][1].offset
     total = sum(where.length for _, where in run)

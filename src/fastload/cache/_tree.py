@@ -8,6 +8,7 @@ scalars, strings, bytes and None beside them (labels, ids). Anything else is ref
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,60 +31,83 @@ def descr(dtype: np.dtype[Any]) -> Any:
     return np.lib.format.dtype_to_descr(dtype)
 
 
-def flatten(sample: Any) -> tuple[Spec, list[Leaf]]:
-    """``(spec, leaves)``: tensors come back as tensors and arrays as arrays."""
+def flatten(sample: Any) -> tuple[Spec, list[Any], list[Leaf]]:
+    """``(spec, values, leaves)``: the sample's containers and keys, its scalars, strings and
+    bytes in order (so samples differing only in those, an id or a label, share one spec), and
+    its arrays and tensors (tensors come back as tensors and arrays as arrays)."""
     leaves: list[Leaf] = []
-    return _flatten(sample, leaves, "sample"), leaves
+    values: list[Any] = []
+    return _flatten(sample, leaves, values, ()), values, leaves
 
 
-def _flatten(value: Any, leaves: list[Leaf], where: str) -> Spec:
-    if isinstance(value, torch.Tensor):
-        if value.layout is not torch.strided:
-            raise UnsupportedSampleError(f"{where} is a {value.layout} tensor; only dense ones")
-        leaves.append(value.detach().cpu())
-        return ["t", len(leaves) - 1]
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None:
-            kind = "an object" if value.dtype.hasobject else "a structured"
-            raise UnsupportedSampleError(f"{where} is {kind} array; only plain numeric arrays")
-        leaves.append(value)
-        return ["n", len(leaves) - 1]
-    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-        return ["s", descr(value.dtype), value.item()]
-    if isinstance(value, _SCALARS):
-        return ["v", value]
-    if isinstance(value, bytes):
-        return ["b", value.hex()]
-    if type(value) in (tuple, list):
-        tag = "u" if isinstance(value, tuple) else "l"
-        return [tag, [_flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(value)]]
-    if type(value) is dict:
+def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any, ...]) -> Spec:
+    kind = type(value)
+    if kind is dict:
         items = []
         for k, v in value.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise UnsupportedSampleError(f"{where} has a key of type {type(k).__name__}")
-            items.append([k, _flatten(v, leaves, f"{where}[{k!r}]")])
+            if type(k) is not str and (type(k) is not int):
+                raise UnsupportedSampleError(f"{_where(path)} has a key of type {type(k).__name__}")
+            items.append([k, _flatten(v, leaves, values, (*path, k))])
         return ["d", items]
+    if kind is tuple or kind is list:
+        tag = "u" if kind is tuple else "l"
+        return [tag, [_flatten(v, leaves, values, (*path, i)) for i, v in enumerate(value)]]
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.fields is not None:
+            what = "an object" if value.dtype.hasobject else "a structured"
+            raise UnsupportedSampleError(
+                f"{_where(path)} is {what} array; only plain numeric arrays"
+            )
+        leaves.append(value)
+        return ["n", len(leaves) - 1]
+    if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided:
+            raise UnsupportedSampleError(
+                f"{_where(path)} is a {value.layout} tensor; only dense ones"
+            )
+        leaves.append(value.detach().cpu())
+        return ["t", len(leaves) - 1]
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        values.append(value.item())
+        return ["s", descr(value.dtype)]
+    if isinstance(value, _SCALARS):
+        values.append(value)
+        return ["v"]
+    if isinstance(value, bytes):
+        values.append(value.hex())
+        return ["b"]
     raise UnsupportedSampleError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; the cache stores "
+        f"{_where(path)} is a {kind.__module__}.{kind.__qualname__}; the cache stores "
         "tensors, arrays, scalars, str, bytes, None and tuples/lists/dicts of them"
     )
 
 
-def unflatten(spec: Spec, leaves: list[Leaf]) -> Any:
+def _where(path: tuple[Any, ...]) -> str:
+    return "sample" + "".join(f"[{key!r}]" for key in path)
+
+
+def unflatten(spec: Spec, leaves: list[Leaf], values: list[Any] | None = None) -> Any:
+    """The sample; ``values``: those :func:`flatten` took out of ``spec`` (None: in it, as
+    earlier versions wrote it)."""
+    return _unflatten(spec, leaves, iter(values or ()))
+
+
+def _unflatten(spec: Spec, leaves: list[Leaf], values: Iterator[Any]) -> Any:
     tag = spec[0]
     if tag in ("t", "n"):
         return leaves[spec[1]]
     if tag == "v":
-        return spec[1]
+        return spec[1] if len(spec) > 1 else next(values)
     if tag == "s":
-        return np.lib.format.descr_to_dtype(spec[1]).type(spec[2])
+        return np.lib.format.descr_to_dtype(spec[1]).type(
+            spec[2] if len(spec) > 2 else next(values)
+        )
     if tag == "b":
-        return bytes.fromhex(spec[1])
+        return bytes.fromhex(spec[1] if len(spec) > 1 else next(values))
     if tag == "u":
-        return tuple(unflatten(s, leaves) for s in spec[1])
+        return tuple(_unflatten(s, leaves, values) for s in spec[1])
     if tag == "l":
-        return [unflatten(s, leaves) for s in spec[1]]
+        return [_unflatten(s, leaves, values) for s in spec[1]]
     if tag == "d":
-        return {k: unflatten(s, leaves) for k, s in spec[1]}
+        return {k: _unflatten(s, leaves, values) for k, s in spec[1]}
     raise ValueError(f"unknown spec tag {tag!r}")

@@ -1,17 +1,26 @@
 """How a cached sample is laid out on disk: ``pt``, ``npy`` or ``zarr``.
 
-``pt`` and ``npy`` entries are one file each::
+``pt`` and ``npy`` entries go into segment files (:mod:`fastload.cache._packed`), each entry::
 
-    b"FLCACHE2" | u64 header length | u64 name length | header JSON | name |
-    blobs (64-byte aligned) | footer
+    b"FLC3" | u32 length of its values | values JSON | 8 bytes of its digest |
+    blobs (aligned: 16 bytes when under 1 KiB, else 64) | u32 distance back to its structure |
+    u32 CRC32C of everything before
 
-The header holds the sample's structure (see :mod:`fastload.cache._tree`) and each blob's
-length, and no name: samples of one structure share header bytes, so a reader parses each
-distinct header once. (Entries of the first layout, ``FLCACHE1``, whose JSON header held the
-name, are still read.) The footer is a checksum of everything before it, its algorithm and an
-end mark, so a truncated, torn or bit-flipped file is recognised on read. ``pt`` keeps the
-arrays as one ``torch.save`` blob, loaded with ``weights_only=True`` (a planted pickle cannot
-run code); ``npy`` keeps each array's raw buffer, the fastest to read.
+and, once per segment for each structure used in it, before the first entry of that structure::
+
+    b"FLS3" | u32 length | structure JSON | u32 CRC32C
+
+A structure is the sample's shape of containers, keys and leaf kinds (see
+:mod:`fastload.cache._tree`); the values are what differs between samples of one structure:
+scalars, strings, array shapes. So a small sample carries about 40 bytes besides its own, a
+reader parses each structure once per segment, and a torn, truncated or bit-flipped entry or
+structure fails its checksum. The digest bytes tell an entry found through a misfiled index
+record from the one looked up. ``pt`` keeps the arrays as one ``torch.save`` blob, loaded with
+``weights_only=True`` (a planted pickle cannot run code); ``npy`` keeps each array's raw buffer,
+the fastest to read.
+
+Entries of earlier versions are still read: ``FLCACHE2`` (a JSON header of structure and values,
+then the name) in segments or a file each, and ``FLCACHE1`` (the name in the header) files.
 
 ``zarr`` entries are Zarr v3 groups (readable by zarr-python): one chunked array per leaf,
 each chunk Blosc-compressed and followed by its CRC32C. They are read chunk by chunk on a
@@ -20,6 +29,7 @@ thread pool, and a crop reads only the chunks it touches.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import json
@@ -30,6 +40,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,30 +54,33 @@ from fastload.cache._tree import Leaf, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
-__all__ = ["FORMATS", "MIN_ENTRY", "FileFormat", "Format", "ZarrArray"]
+__all__ = ["CHECK_BYTES", "FORMATS", "MIN_ENTRY", "Encoded", "FileFormat", "Format", "ZarrArray"]
 
-_MAGIC = b"FLCACHE2"
-_PREFIX = struct.Struct("<8sQQ")  # magic, header length, name length
+_MAGIC = b"FLC3"
+_HEAD = struct.Struct("<4sI")  # magic, values length
+_TAIL = struct.Struct("<II")  # distance back to the structure record, CRC32C of all before
+_STRUCTURE = struct.Struct("<4sI")  # magic, JSON length; then the JSON and its CRC32C
+_STRUCTURE_MAGIC = b"FLS3"
+CHECK_BYTES = 8
+"""Bytes of its digest an entry carries (to tell it from another sample's)."""
+_SMALL_BLOB = 1024  # blobs under this are aligned to 16 bytes (any dtype's), others to 64
+_MAGIC_V2 = b"FLCACHE2"
+_PREFIX_V2 = struct.Struct("<8sQQ")  # magic, header length, name length
 _MAGIC_V1 = b"FLCACHE1"
 _PREFIX_V1 = struct.Struct("<8sQ")  # magic, header length (the name inside the header)
-_HEADERS = 4096  # parsed headers kept per process: one per structure and plain values (labels)
-_FOOTER = struct.Struct("<I4s")  # CRC32C of everything before it, end mark
-_END = b"FLC."
-_ALIGN = 64
-MIN_ENTRY = _PREFIX.size + _FOOTER.size
-"""The fewest bytes an entry of the current layout can have."""
+_FOOTER_V2 = struct.Struct("<I4s")  # CRC32C of everything before it, end mark
+_END_V2 = b"FLC."
+_PARSED = 4096  # parsed structures (and earlier versions' headers) kept per process
+MIN_ENTRY = _HEAD.size + 2 + CHECK_BYTES + _TAIL.size
+"""The fewest bytes an entry can have (an earlier version's need more)."""
 
 
 class Format(ABC):
-    """One on-disk layout. ``write`` builds an entry at a temporary path; the cache renames it."""
+    """One on-disk layout."""
 
     name: ClassVar[str]
     suffix: ClassVar[str]
     directory: ClassVar[bool] = False
-
-    @abstractmethod
-    def write(self, sample: Any, name: str, path: Path) -> int:
-        """Write ``sample`` (identified by ``name``) at ``path``; the bytes written."""
 
     @abstractmethod
     def read(self, path: str | Path) -> Any:
@@ -83,101 +97,173 @@ class Format(ABC):
     def _header(self, path: str | Path) -> dict[str, Any]: ...
 
 
-# --- one-file formats -------------------------------------------------------------------------
+# --- segment entries (pt, npy) ----------------------------------------------------------------
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _aligned(position: int, size: int) -> int:
+    align = 16 if size < _SMALL_BLOB else 64
+    return -(-position // align) * align
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An entry before its place in a segment is known: its structure record (written once per
+    segment), its bytes up to the tail, and their length and CRC32C."""
+
+    structure: bytes
+    body: list[bytes | memoryview]
+    length: int  # the whole entry's, tail included
+    crc: int
+
+    def tail(self, distance: int) -> bytes:
+        """The entry's last bytes, its structure record ``distance`` bytes before it."""
+        head = distance.to_bytes(4, "little")
+        return head + crc32c(head, self.crc).to_bytes(4, "little")
 
 
 class FileFormat(Format):
-    """The single-file container shared by ``pt`` and ``npy``."""
+    """The entries shared by ``pt`` and ``npy``: a structure, values and blobs each."""
 
     @abstractmethod
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]: ...
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
+        """The leaves' part of the structure, their per-sample values, and their blobs."""
 
     @abstractmethod
-    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]: ...
+    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]: ...
 
-    def write(self, sample: Any, name: str, path: Path) -> int:
-        pieces = self.encode(sample, name)
-        with _create(path) as out:
-            for piece in pieces:
-                out.write(piece)
-        return sum(memoryview(piece).nbytes for piece in pieces)
+    @abstractmethod
+    def _decode(
+        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
+    ) -> list[Leaf]: ...
 
-    def encode(self, sample: Any, name: str) -> list[bytes | memoryview]:
-        """The entry's bytes, in pieces to write one after another (a file or a segment)."""
-        spec, leaves = flatten(sample)
-        meta, blobs = self._encode(leaves)
-        header = json.dumps({"format": self.name, "spec": spec, **meta}).encode()
-        named = name.encode("utf-8", "surrogatepass")
-        prefix = _PREFIX.pack(_MAGIC, len(header), len(named))
-        pieces: list[bytes | memoryview] = [prefix, header, named]
-        crc = crc32c(named, crc32c(header, crc32c(prefix)))
-        position = len(prefix) + len(header) + len(named)
+    @abstractmethod
+    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
+        """An ``FLCACHE2`` header's leaf values (its structure holds them inline)."""
+
+    def encode(self, sample: Any, check: bytes) -> Encoded:
+        """``sample``'s entry, carrying ``check`` (:data:`CHECK_BYTES` of its digest)."""
+        spec, scalars, leaves = flatten(sample)
+        meta, leaf_values, blobs = self._encode(leaves)
+        structure = _json_bytes({"format": self.name, "spec": spec, **meta})
+        values = _json_bytes([scalars, leaf_values])
+        head = _HEAD.pack(_MAGIC, len(values))
+        body: list[bytes | memoryview] = [head, values, check]
+        crc = crc32c(check, crc32c(values, crc32c(head)))
+        position = len(head) + len(values) + len(check)
         for blob in blobs:
-            pad = bytes(_aligned(position) - position)
-            pieces += [pad, blob]
+            pad = bytes(_aligned(position, blob.nbytes) - position)
+            body += [pad, blob]
             crc = crc32c(blob, crc32c(pad, crc))
-            position = _aligned(position) + blob.nbytes
-        pieces.append(_FOOTER.pack(crc, _END))
-        return pieces
+            position += len(pad) + blob.nbytes
+        record = _STRUCTURE.pack(_STRUCTURE_MAGIC, len(structure)) + structure
+        record += crc32c(record).to_bytes(4, "little")
+        return Encoded(record, body, position + _TAIL.size, crc)
 
-    def read(self, path: str | Path) -> Any:
-        return self.decode(_read_checked(path), path)
+    @staticmethod
+    def distance(buffer: np.ndarray) -> int | None:
+        """How far before the entry its structure record is; None for an earlier version's."""
+        if buffer[:4].tobytes() != _MAGIC:
+            return None
+        return int.from_bytes(buffer[-_TAIL.size : -4].tobytes(), "little")
 
-    def decode(self, buffer: np.ndarray, where: str | Path) -> Any:
-        """The sample in an entry's bytes (a writable uint8 array); ``where`` names it in
-        errors. :class:`CorruptEntryError` when it fails its checksum or does not parse."""
-        _check(buffer, where)
-        header, start = _parse_header(buffer, where, named=False)
+    def decode(
+        self, buffer: np.ndarray, where: str | Path, structure: dict[str, Any] | None = None
+    ) -> Any:
+        """The sample in an entry's bytes (a writable uint8 array) and its parsed
+        ``structure`` (None for an earlier version's entry); ``where`` names it in errors.
+        :class:`CorruptEntryError` when it fails its checksum or does not parse."""
+        if structure is None:
+            return self._decode_v2(buffer, where)
+        size = buffer.nbytes
+        crc = int.from_bytes(buffer[size - 4 :].tobytes(), "little")
+        if buffer[:4].tobytes() != _MAGIC or crc32c(buffer[: size - 4].data) != crc:
+            raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         try:
-            blobs = self._blobs(buffer, header["sizes"], start)
-            return unflatten(header["spec"], self._decode(header, blobs))
+            length = _HEAD.unpack_from(buffer.data)[1]
+            scalars, leaf_values = _values(buffer[_HEAD.size : _HEAD.size + length].tobytes())
+            position = _HEAD.size + length + CHECK_BYTES
+            blobs = self._blobs(buffer, self._sizes(structure, leaf_values), position, 16, _TAIL)
+            leaves = self._decode(structure, leaf_values, blobs)
+            return unflatten(structure["spec"], leaves, scalars)
         except Exception as exc:  # the checksum passed: another format or version wrote it
             raise CorruptEntryError(
                 f"cache entry does not decode ({type(exc).__name__}): {where}"
             ) from exc
 
+    def _decode_v2(self, buffer: np.ndarray, where: str | Path) -> Any:
+        _check_v2(buffer, where)
+        header, start = _parse_header(buffer, where, named=False)
+        try:
+            blobs = self._blobs(buffer, header["sizes"], start, 64, _FOOTER_V2)
+            return unflatten(header["spec"], self._decode(header, self._v2_values(header), blobs))
+        except Exception as exc:
+            raise CorruptEntryError(
+                f"cache entry does not decode ({type(exc).__name__}): {where}"
+            ) from exc
+
+    def structure(self, fd: int, offset: int, where: str) -> dict[str, Any]:
+        """The structure record at ``offset`` of a segment, parsed (shared: not to be changed).
+        :class:`CorruptEntryError` when it is not one or fails its checksum."""
+        raw = os.pread(fd, 512, offset)
+        magic, length = _STRUCTURE.unpack_from(raw) if len(raw) >= _STRUCTURE.size else (b"", 0)
+        end = _STRUCTURE.size + length
+        if magic == _STRUCTURE_MAGIC and len(raw) < end + 4:
+            raw += os.pread(fd, end + 4 - len(raw), offset + len(raw))
+        if (
+            magic != _STRUCTURE_MAGIC
+            or len(raw) < end + 4
+            or crc32c(raw[:end]) != int.from_bytes(raw[end : end + 4], "little")
+        ):
+            raise CorruptEntryError(f"cache entry's structure record is damaged: {where}")
+        return _parsed_json(raw[_STRUCTURE.size : end], where)
+
+    def matches(self, buffer: np.ndarray, digest: str, digest_of: Callable[[bytes], str]) -> bool:
+        """Whether the entry was written for ``digest`` (an earlier version's by its name,
+        hashed by ``digest_of``)."""
+        if buffer[:4].tobytes() == _MAGIC:
+            start = _HEAD.size + _HEAD.unpack_from(buffer.data)[1]
+            return buffer[start : start + CHECK_BYTES].tobytes() == bytes.fromhex(digest)[:8]
+        if buffer[:8].tobytes() != _MAGIC_V2 or buffer.nbytes < _PREFIX_V2.size:
+            return False
+        _, length, name_length = _PREFIX_V2.unpack_from(buffer.data)
+        start = _PREFIX_V2.size + length
+        return digest_of(buffer[start : start + name_length].tobytes()) == digest
+
     def name_in(self, buffer: np.ndarray, where: str) -> str:
-        """The name in an entry's bytes (for reports), unchecked."""
-        raw = self.raw_name(buffer)
-        if raw is not None:
-            return raw.decode("utf-8", "surrogatepass")
+        """The name in an entry's bytes (for reports), unchecked; ``where`` for an entry of
+        this version, which keeps no name."""
+        if buffer[:4].tobytes() == _MAGIC:
+            return where
         header, _ = _parse_header(buffer, where)
         return str(header.get("name", ""))
 
     @staticmethod
-    def raw_name(buffer: np.ndarray) -> bytes | None:
-        """The encoded name in an entry of this layout's current version (None for others),
-        unchecked: what a read compares with the name it looked up, with no header copied."""
-        if buffer.nbytes < _PREFIX.size or buffer[:8].tobytes() != _MAGIC:
-            return None
-        _, length, name_length = _PREFIX.unpack_from(buffer.data)
-        start = _PREFIX.size + length
-        return buffer[start : start + name_length].tobytes()
-
-    @staticmethod
-    def _blobs(buffer: np.ndarray, sizes: list[int], position: int) -> list[np.ndarray]:
+    def _blobs(
+        buffer: np.ndarray, sizes: list[int], position: int, small: int, end: struct.Struct
+    ) -> list[np.ndarray]:
         blobs: list[np.ndarray] = []
         for size in sizes:
-            position = _aligned(position)
+            align = small if size < _SMALL_BLOB else 64
+            position = -(-position // align) * align
             blobs.append(buffer[position : position + size])
             position += size
-        if position != buffer.nbytes - _FOOTER.size:
-            raise ValueError("the blobs do not add up to the file")
+        if position != buffer.nbytes - end.size:
+            raise ValueError("the blobs do not add up to the entry")
         return blobs
 
+    def read(self, path: str | Path) -> Any:
+        """An earlier version's entry, a file of its own."""
+        return self.decode(_read_checked(path), path)
+
     def _header(self, path: str | Path) -> dict[str, Any]:
-        """The header and name alone, unchecked: enough to name an entry whose body is
-        damaged."""
+        """An earlier version's file entry's header and name alone, unchecked: enough to name
+        an entry whose body is damaged."""
         with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
+            prefix = f.read(_PREFIX_V2.size)
             if prefix[:8] == _MAGIC_V1 and len(prefix) >= _PREFIX_V1.size:
                 size = _PREFIX_V1.size + _PREFIX_V1.unpack_from(prefix)[1]
-            elif prefix[:8] == _MAGIC and len(prefix) == _PREFIX.size:
-                size = _PREFIX.size + sum(_PREFIX.unpack(prefix)[1:])
+            elif prefix[:8] == _MAGIC_V2 and len(prefix) == _PREFIX_V2.size:
+                size = _PREFIX_V2.size + sum(_PREFIX_V2.unpack(prefix)[1:])
             else:
                 raise CorruptEntryError(f"cache entry is truncated or not one: {path}")
             if size > 1 << 24:
@@ -185,6 +271,19 @@ class FileFormat(Format):
             body = np.frombuffer(prefix + f.read(size - len(prefix)), np.uint8)
         header, _ = _parse_header(body, path)
         return header
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def _json_bytes(value: Any) -> bytes:
+    return _COMPACT.encode(value).encode()
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def _values(raw: bytes) -> Any:
+    """An entry's values, parsed once per distinct bytes (samples of one shape share them)."""
+    return json.loads(raw)
 
 
 def _create(path: Path) -> io.BufferedWriter:
@@ -215,37 +314,45 @@ def read_at(fd: int, offset: int, size: int, where: str | Path) -> np.ndarray:
     return buffer
 
 
-def _check(buffer: np.ndarray, where: str | Path) -> None:
+def _check_v2(buffer: np.ndarray, where: str | Path) -> None:
     size = buffer.nbytes
-    crc, end = _FOOTER.unpack_from(buffer.data, size - _FOOTER.size)
-    if end != _END or crc32c(buffer[: size - _FOOTER.size].data) != crc:
+    if size < _PREFIX_V1.size + _FOOTER_V2.size:
+        raise CorruptEntryError(f"cache entry is truncated ({size} bytes): {where}")
+    crc, end = _FOOTER_V2.unpack_from(buffer.data, size - _FOOTER_V2.size)
+    if end != _END_V2 or crc32c(buffer[: size - _FOOTER_V2.size].data) != crc:
         raise CorruptEntryError(f"cache entry fails its checksum: {where}")
 
 
 _parsed: dict[bytes, dict[str, Any]] = {}
 
 
+def _parsed_json(raw: bytes, where: str | Path) -> dict[str, Any]:
+    """``raw`` parsed once per process (a structure, or an earlier version's header): shared,
+    not to be changed."""
+    parsed = _parsed.get(raw)
+    if parsed is None:
+        if len(_parsed) >= _PARSED:
+            _parsed.clear()
+        parsed = _parsed[raw] = _json(raw, where)
+    return parsed
+
+
 def _parse_header(
     buffer: np.ndarray, path: str | Path, *, named: bool = True
 ) -> tuple[dict[str, Any], int]:
-    """The entry's header and where its blobs start; ``named``: with the entry's ``name`` (a
-    copy), else the parsed header shared by every entry of that structure (not to be changed)."""
+    """An earlier version's header and where its blobs start; ``named``: with the entry's
+    ``name`` (a copy), else the parsed header shared by every entry of that structure."""
     magic = buffer[:8].tobytes()
     if magic == _MAGIC_V1:
         _, length = _PREFIX_V1.unpack_from(buffer.data)
         return _json(bytes(buffer[_PREFIX_V1.size : _PREFIX_V1.size + length]), path), (
             _PREFIX_V1.size + length
         )
-    if magic != _MAGIC or buffer.nbytes < _PREFIX.size:
+    if magic != _MAGIC_V2 or buffer.nbytes < _PREFIX_V2.size:
         raise CorruptEntryError(f"not a fastload cache entry: {path}")
-    _, length, name_length = _PREFIX.unpack_from(buffer.data)
-    start = _PREFIX.size + length
-    raw = buffer[_PREFIX.size : start].tobytes()
-    header = _parsed.get(raw)
-    if header is None:
-        if len(_parsed) >= _HEADERS:
-            _parsed.clear()
-        header = _parsed[raw] = _json(raw, path)
+    _, length, name_length = _PREFIX_V2.unpack_from(buffer.data)
+    start = _PREFIX_V2.size + length
+    header = _parsed_json(buffer[_PREFIX_V2.size : start].tobytes(), path)
     if not named:
         return header, start + name_length
     name = buffer[start : start + name_length].tobytes().decode("utf-8", "surrogatepass")
@@ -276,19 +383,27 @@ class PtFormat(FileFormat):
     name = "pt"
     suffix = ".flpt"
 
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]:
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
         tensors = [_as_tensor(leaf, i) for i, leaf in enumerate(leaves)]
         blob = io.BytesIO()
         torch.save(tensors, blob)
-        return {"kinds": _leaf_kinds(leaves), "sizes": [blob.tell()]}, [blob.getbuffer()]
+        return {"kinds": _leaf_kinds(leaves)}, [blob.tell()], [blob.getbuffer()]
 
-    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]:
+    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]:
+        return values
+
+    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
+        return header["sizes"]  # type: ignore[no-any-return]
+
+    def _decode(
+        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
+    ) -> list[Leaf]:
         tensors = torch.load(io.BytesIO(blobs[0].data), weights_only=True, map_location="cpu")
-        if not isinstance(tensors, list) or len(tensors) != len(header["kinds"]):
-            raise ValueError("the .pt blob does not match its header")
+        if not isinstance(tensors, list) or len(tensors) != len(structure["kinds"]):
+            raise ValueError("the .pt blob does not match its structure")
         return [
             t if k == "t" else t.numpy().astype(np.lib.format.descr_to_dtype(k), copy=False)
-            for t, k in zip(tensors, header["kinds"], strict=True)
+            for t, k in zip(tensors, structure["kinds"], strict=True)
         ]
 
 
@@ -311,31 +426,48 @@ class NpyFormat(FileFormat):
     name = "npy"
     suffix = ".flnpy"
 
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[memoryview]]:
+    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
         arrays: list[dict[str, Any]] = []
+        shapes: list[list[int]] = []
         blobs: list[memoryview] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 flat = leaf.contiguous().reshape(-1).view(torch.uint8).numpy()
-                arrays.append(
-                    {"torch": str(leaf.dtype).removeprefix("torch."), "shape": [*leaf.shape]}
-                )
+                arrays.append({"torch": str(leaf.dtype).removeprefix("torch.")})
             else:
                 array = _contiguous(leaf)
                 flat = array.reshape(-1).view(np.uint8)
-                arrays.append({"dtype": descr(array.dtype), "shape": [*array.shape]})
+                arrays.append({"dtype": descr(array.dtype)})
+            shapes.append([*leaf.shape])
             blobs.append(flat.data)
-        return {"arrays": arrays, "sizes": [b.nbytes for b in blobs]}, blobs
+        return {"arrays": arrays}, shapes, blobs
 
-    def _decode(self, header: dict[str, Any], blobs: list[np.ndarray]) -> list[Leaf]:
+    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]:
+        return [
+            math.prod(shape) * _itemsize(meta)
+            for meta, shape in zip(structure["arrays"], values, strict=True)
+        ]
+
+    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
+        return [meta["shape"] for meta in header["arrays"]]
+
+    def _decode(
+        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
+    ) -> list[Leaf]:
         leaves: list[Leaf] = []
-        for meta, blob in zip(header["arrays"], blobs, strict=True):
+        for meta, shape, blob in zip(structure["arrays"], values, blobs, strict=True):
             if "torch" in meta:
                 dtype = getattr(torch, meta["torch"])
-                leaves.append(torch.from_numpy(blob).view(dtype).reshape(meta["shape"]))
+                leaves.append(torch.from_numpy(blob).view(dtype).reshape(shape))
             else:
-                leaves.append(blob.view(_dtype(meta["dtype"])).reshape(meta["shape"]))
+                leaves.append(blob.view(_dtype(meta["dtype"])).reshape(shape))
         return leaves
+
+
+def _itemsize(meta: dict[str, Any]) -> int:
+    if "torch" in meta:
+        return int(getattr(torch, meta["torch"]).itemsize)
+    return _dtype(meta["dtype"]).itemsize
 
 
 _dtypes: dict[str, np.dtype[Any]] = {}
@@ -641,7 +773,7 @@ class ZarrFormat(Format):
 
     def write(self, sample: Any, name: str, path: Path) -> int:
         blosc = _blosc()
-        spec, leaves = flatten(sample)
+        spec, values, leaves = flatten(sample)
         arrays = [_zarr_array(leaf, i) for i, leaf in enumerate(leaves)]
         path.mkdir(mode=0o700)
         metas, jobs = [], []
@@ -661,7 +793,13 @@ class ZarrFormat(Format):
                 target = path / str(i) / _chunk_key(index)
                 private_dirs(target.parent)
                 jobs.append((block, meta["compressed"], target))
-        attributes = {"name": name, "spec": spec, "kinds": _leaf_kinds(leaves), "arrays": metas}
+        attributes = {
+            "name": name,
+            "spec": spec,
+            "values": values,
+            "kinds": _leaf_kinds(leaves),
+            "arrays": metas,
+        }
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"fastload": attributes}}
         _write_json(path / "zarr.json", group)
 
@@ -681,8 +819,9 @@ class ZarrFormat(Format):
             raise CorruptEntryError(f"not a fastload zarr entry: {path}")
         return header
 
-    def arrays(self, path: str | Path) -> tuple[list[Any], list[ZarrArray]]:
-        """The entry's spec and a lazy :class:`ZarrArray` per leaf, metadata cross-checked."""
+    def arrays(self, path: str | Path) -> tuple[list[Any], list[Any] | None, list[ZarrArray]]:
+        """The entry's spec, values (None: in the spec, as earlier versions wrote it) and a
+        lazy :class:`ZarrArray` per leaf, metadata cross-checked."""
         path = Path(path)
         header = self._header(path)
         arrays = []
@@ -693,15 +832,15 @@ class ZarrFormat(Format):
                 arrays.append(ZarrArray(path / str(i), meta, kind == "t"))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptEntryError(f"cache entry metadata is malformed: {path}") from exc
-        return header["spec"], arrays
+        return header["spec"], header.get("values"), arrays
 
     def read(self, path: str | Path) -> Any:
-        spec, arrays = self.arrays(path)
+        spec, values, arrays = self.arrays(path)
         leaves: list[Leaf] = []
         for array in arrays:
             data = array.read()
             leaves.append(torch.from_numpy(data) if array.as_tensor else data)
-        return unflatten(spec, leaves)
+        return unflatten(spec, leaves, values)
 
 
 def _tree_bytes(path: str | Path, files_only: str | None = None) -> int:

@@ -45,9 +45,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastload.cache._locks import OFD_LOCKS, EntryLock, FileLock, RangeLock, private_dirs
-from fastload.cache._packed import SEGMENT_BYTES, Packed
+from fastload.cache._packed import SEGMENT_BYTES, Entry, Packed
 from fastload.cache._tree import unflatten
-from fastload.cache.formats import FORMATS, FileFormat, Format, ZarrFormat, entry_bytes
+from fastload.cache.formats import (
+    CHECK_BYTES,
+    FORMATS,
+    FileFormat,
+    Format,
+    ZarrFormat,
+    entry_bytes,
+)
 from fastload.errors import CacheError, ConfigError, CorruptEntryError
 from fastload.stats import CacheStats
 
@@ -373,7 +380,7 @@ class Cache:
                 os.utime(path)  # mtime orders eviction (least recently used first)
         return value
 
-    def _unpacked(self, digest: str, found: tuple[Any, str] | CorruptEntryError) -> Any:
+    def _unpacked(self, digest: str, found: Entry | CorruptEntryError) -> Any:
         """The sample in a segment entry's bytes; CorruptEntryError when they fail their
         checks or hold another name than the one looked up."""
         if isinstance(found, CorruptEntryError):
@@ -381,9 +388,8 @@ class Cache:
         assert self._packed is not None
         layout = self._packed.layout
         value = layout.decode(*found)
-        raw = layout.raw_name(found[0])
-        if raw is None or self._raw_digest(raw) != digest:
-            raise CorruptEntryError(f"cache entry holds another sample's name: {found[1]}")
+        if not layout.matches(found[0], digest, self._raw_digest):
+            raise CorruptEntryError(f"cache entry holds another sample: {found[1]}")
         return value
 
     def _discard_packed(self, digest: str, why: Exception, held: bool) -> None:
@@ -471,12 +477,12 @@ class Cache:
             lock.acquire(shared=True)
         try:
             try:
-                spec, arrays = self._layout.arrays(self._path(digest))
+                spec, values, arrays = self._layout.arrays(self._path(digest))
             except FileNotFoundError:
                 self._count(False)
                 raise KeyError(name) from None
             self._count(True)
-            yield unflatten(spec, list(arrays))  # type: ignore[arg-type]
+            yield unflatten(spec, list(arrays), values)  # type: ignore[arg-type]
         finally:
             if not self.read_only:
                 lock.release()
@@ -592,6 +598,9 @@ class Cache:
         """Store ``sample`` under ``name`` (replacing what was there)."""
         self._writable(f"store {name}")
         digest = self._digest(name)
+        if self._packed is not None:  # an append and its record: no lock (the last one wins)
+            self._store_packed(digest, name, sample)
+            return
         lock = self._lock(digest)
         lock.acquire()
         try:
@@ -605,6 +614,7 @@ class Cache:
             return
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
+            assert isinstance(self._layout, ZarrFormat)  # pt and npy: segments, above
             size = self._layout.write(sample, name, tmp)
             if self.max_bytes is not None and size > self.max_bytes:
                 self.counters.oversize += 1
@@ -635,8 +645,8 @@ class Cache:
 
     def _store_packed(self, digest: str, name: str, sample: Any) -> None:
         assert self._packed is not None
-        pieces = self._packed.layout.encode(sample, name)
-        size = sum(memoryview(piece).nbytes for piece in pieces)
+        entry = self._packed.layout.encode(sample, bytes.fromhex(digest)[:CHECK_BYTES])
+        size = entry.length
         if self.max_bytes is not None and size > self.max_bytes:
             self.counters.oversize += 1
             self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
@@ -645,7 +655,7 @@ class Cache:
         if self.max_bytes is not None:
             limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
         try:
-            self._packed.append(digest, pieces, size, limit)
+            size = self._packed.append(digest, entry, limit)
             stale = self._remove_legacy(digest) if self._legacy else 0
             pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
             if self.max_bytes is not None or pending >= _UNRECORDED:
