@@ -162,9 +162,10 @@ class FileFormat(Format):
     @staticmethod
     def distance(buffer: np.ndarray) -> int | None:
         """How far before the entry its structure record is; None for an earlier version's."""
-        if buffer[:4].tobytes() != _MAGIC:
+        view = buffer.data
+        if view[:4] != _MAGIC:
             return None
-        return int.from_bytes(buffer[-_TAIL.size : -4].tobytes(), "little")
+        return int.from_bytes(view[-_TAIL.size : -4], "little")
 
     def decode(
         self, buffer: np.ndarray, where: str | Path, structure: dict[str, Any] | None = None
@@ -174,13 +175,12 @@ class FileFormat(Format):
         :class:`CorruptEntryError` when it fails its checksum or does not parse."""
         if structure is None:
             return self._decode_v2(buffer, where)
-        size = buffer.nbytes
-        crc = int.from_bytes(buffer[size - 4 :].tobytes(), "little")
-        if buffer[:4].tobytes() != _MAGIC or crc32c(buffer[: size - 4].data) != crc:
+        view, size = buffer.data, buffer.nbytes
+        magic, length = _HEAD.unpack_from(view)
+        if magic != _MAGIC or crc32c(view[: size - 4]) != int.from_bytes(view[size - 4 :], "little"):
             raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         try:
-            length = _HEAD.unpack_from(buffer.data)[1]
-            scalars, leaf_values = _values(buffer[_HEAD.size : _HEAD.size + length].tobytes())
+            scalars, leaf_values = _values(bytes(view[_HEAD.size : _HEAD.size + length]))
             position = _HEAD.size + length + CHECK_BYTES
             blobs = self._blobs(buffer, self._sizes(structure, leaf_values), position, 16, _TAIL)
             leaves = self._decode(structure, leaf_values, blobs)
@@ -220,9 +220,10 @@ class FileFormat(Format):
     def matches(self, buffer: np.ndarray, digest: str, digest_of: Callable[[bytes], str]) -> bool:
         """Whether the entry was written for ``digest`` (an earlier version's by its name,
         hashed by ``digest_of``)."""
-        if buffer[:4].tobytes() == _MAGIC:
-            start = _HEAD.size + _HEAD.unpack_from(buffer.data)[1]
-            return buffer[start : start + CHECK_BYTES].tobytes() == bytes.fromhex(digest)[:8]
+        view = buffer.data
+        if view[:4] == _MAGIC:
+            start = _HEAD.size + _HEAD.unpack_from(view)[1]
+            return view[start : start + CHECK_BYTES] == bytes.fromhex(digest)[:CHECK_BYTES]
         if buffer[:8].tobytes() != _MAGIC_V2 or buffer.nbytes < _PREFIX_V2.size:
             return False
         _, length, name_length = _PREFIX_V2.unpack_from(buffer.data)
