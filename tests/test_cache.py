@@ -230,7 +230,7 @@ def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
     blob = io.BytesIO()
     torch.save([Evil()], blob)
     writer = formats.PtFormat()  # a valid container, checksum and all, around a hostile pickle
-    writer._encode = lambda leaves: ({"kinds": ["t"]}, [blob.tell()], [blob.getbuffer()])  # type: ignore[method-assign]
+    writer._encode = lambda leaves: ([blob.tell()], [blob.getbuffer()])  # type: ignore[method-assign]
     assert cache._packed is not None
     append(cache, "x", writer.encode(torch.ones(2), check_of(cache, "x")))
     assert cache.get("x") is None  # refused by weights_only, then deleted as corrupt

@@ -16,10 +16,10 @@ import torch
 
 from fastload.errors import UnsupportedSampleError
 
-__all__ = ["Leaf", "descr", "flatten", "unflatten"]
+__all__ = ["Leaf", "Spec", "descr", "flatten", "unflatten"]
 
 Leaf = np.ndarray | torch.Tensor
-Spec = list[Any]
+Spec = Any  # nested tuples as built (hashable), nested lists as read back from JSON
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -47,11 +47,11 @@ def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any,
         for k, v in value.items():
             if type(k) is not str and (type(k) is not int):
                 raise UnsupportedSampleError(f"{_where(path)} has a key of type {type(k).__name__}")
-            items.append([k, _flatten(v, leaves, values, (*path, k))])
-        return ["d", items]
+            items.append((k, _flatten(v, leaves, values, (*path, k))))
+        return ("d", tuple(items))
     if kind is tuple or kind is list:
         tag = "u" if kind is tuple else "l"
-        return [tag, [_flatten(v, leaves, values, (*path, i)) for i, v in enumerate(value)]]
+        return (tag, tuple(_flatten(v, leaves, values, (*path, i)) for i, v in enumerate(value)))
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.fields is not None:
             what = "an object" if value.dtype.hasobject else "a structured"
@@ -59,23 +59,23 @@ def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any,
                 f"{_where(path)} is {what} array; only plain numeric arrays"
             )
         leaves.append(value)
-        return ["n", len(leaves) - 1]
+        return ("n", len(leaves) - 1)
     if isinstance(value, torch.Tensor):
         if value.layout is not torch.strided:
             raise UnsupportedSampleError(
                 f"{_where(path)} is a {value.layout} tensor; only dense ones"
             )
         leaves.append(value.detach().cpu())
-        return ["t", len(leaves) - 1]
+        return ("t", len(leaves) - 1)
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         values.append(value.item())
-        return ["s", descr(value.dtype)]
+        return ("s", descr(value.dtype))
     if isinstance(value, _SCALARS):
         values.append(value)
-        return ["v"]
+        return ("v",)
     if isinstance(value, bytes):
         values.append(value.hex())
-        return ["b"]
+        return ("b",)
     raise UnsupportedSampleError(
         f"{_where(path)} is a {kind.__module__}.{kind.__qualname__}; the cache stores "
         "tensors, arrays, scalars, str, bytes, None and tuples/lists/dicts of them"

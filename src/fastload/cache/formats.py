@@ -50,7 +50,7 @@ from crc32c import crc32c
 
 from fastload._extras import import_extra
 from fastload.cache._locks import private_dirs
-from fastload.cache._tree import Leaf, descr, flatten, unflatten
+from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
@@ -125,26 +125,24 @@ class FileFormat(Format):
     """The entries shared by ``pt`` and ``npy``: a structure, values and blobs each."""
 
     @abstractmethod
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
-        """The leaves' part of the structure, their per-sample values, and their blobs."""
+    def _encode(self, leaves: list[Leaf]) -> tuple[list[Any], list[memoryview]]:
+        """The leaves' per-sample values (shapes, sizes) and their blobs."""
 
     @abstractmethod
-    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]: ...
+    def _sizes(self, kinds: list[str], values: list[Any]) -> list[int]: ...
 
     @abstractmethod
-    def _decode(
-        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
-    ) -> list[Leaf]: ...
+    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
+        """The leaves, from their kinds (see :func:`_leaf_kinds`), values and blobs."""
 
     @abstractmethod
-    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
-        """An ``FLCACHE2`` header's leaf values (its structure holds them inline)."""
+    def _v2(self, header: dict[str, Any]) -> tuple[list[str], list[Any]]:
+        """An ``FLCACHE2`` header's leaf kinds and values (it held both in its own way)."""
 
     def encode(self, sample: Any, check: bytes) -> Encoded:
         """``sample``'s entry, carrying ``check`` (:data:`CHECK_BYTES` of its digest)."""
         spec, scalars, leaves = flatten(sample)
-        meta, leaf_values, blobs = self._encode(leaves)
-        structure = _json_bytes({"format": self.name, "spec": spec, **meta})
+        leaf_values, blobs = self._encode(leaves)
         values = _json_bytes([scalars, leaf_values])
         head = _HEAD.pack(_MAGIC, len(values))
         body: list[bytes | memoryview] = [head, values, check]
@@ -155,8 +153,7 @@ class FileFormat(Format):
             body += [pad, blob]
             crc = crc32c(blob, crc32c(pad, crc))
             position += len(pad) + blob.nbytes
-        record = _STRUCTURE.pack(_STRUCTURE_MAGIC, len(structure)) + structure
-        record += crc32c(record).to_bytes(4, "little")
+        record = _structure_record(self.name, spec, _leaf_kinds(leaves))
         return Encoded(record, body, position + _TAIL.size, crc)
 
     @staticmethod
@@ -182,8 +179,9 @@ class FileFormat(Format):
         try:
             scalars, leaf_values = _values(bytes(view[_HEAD.size : _HEAD.size + length]))
             position = _HEAD.size + length + CHECK_BYTES
-            blobs = self._blobs(buffer, self._sizes(structure, leaf_values), position, 16, _TAIL)
-            leaves = self._decode(structure, leaf_values, blobs)
+            kinds = structure["kinds"]
+            blobs = self._blobs(buffer, self._sizes(kinds, leaf_values), position, 16, _TAIL)
+            leaves = self._decode(kinds, leaf_values, blobs)
             return unflatten(structure["spec"], leaves, scalars)
         except Exception as exc:  # the checksum passed: another format or version wrote it
             raise CorruptEntryError(
@@ -195,7 +193,7 @@ class FileFormat(Format):
         header, start = _parse_header(buffer, where, named=False)
         try:
             blobs = self._blobs(buffer, header["sizes"], start, 64, _FOOTER_V2)
-            return unflatten(header["spec"], self._decode(header, self._v2_values(header), blobs))
+            return unflatten(header["spec"], self._decode(*self._v2(header), blobs))
         except Exception as exc:
             raise CorruptEntryError(
                 f"cache entry does not decode ({type(exc).__name__}): {where}"
@@ -279,6 +277,15 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 def _json_bytes(value: Any) -> bytes:
     return _COMPACT.encode(value).encode()
+
+
+@functools.lru_cache(maxsize=_PARSED)
+def _structure_record(format: str, spec: Spec, kinds: tuple[str, ...]) -> bytes:
+    """The structure record of samples of ``spec`` with leaves of ``kinds``: built once per
+    process and structure (its JSON cost a small sample's write a sixth of its CPU)."""
+    document = _json_bytes({"format": format, "spec": spec, "kinds": kinds})
+    record = _STRUCTURE.pack(_STRUCTURE_MAGIC, len(document)) + document
+    return record + crc32c(record).to_bytes(4, "little")
 
 
 @functools.lru_cache(maxsize=_PARSED)
@@ -370,9 +377,25 @@ def _json(raw: bytes, path: str | Path) -> dict[str, Any]:
     return header
 
 
-def _leaf_kinds(leaves: list[Leaf]) -> list[str]:
-    """ "t" for a tensor, else the array's dtype (its byte order included)."""
-    return ["t" if isinstance(leaf, torch.Tensor) else str(descr(leaf.dtype)) for leaf in leaves]
+def _leaf_kinds(leaves: list[Leaf]) -> tuple[str, ...]:
+    """ "t:<dtype>" for a tensor (earlier versions wrote "t"), else the array's dtype (its byte
+    order included)."""
+    return tuple(
+        f"t:{str(leaf.dtype)[6:]}" if isinstance(leaf, torch.Tensor) else str(descr(leaf.dtype))
+        for leaf in leaves
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(kind: str) -> int:
+    return _torch_dtype(kind).itemsize if kind[0] == "t" else _dtype(kind).itemsize
+
+
+def _torch_dtype(kind: str) -> torch.dtype:
+    dtype = getattr(torch, kind[2:], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {kind!r}")
+    return dtype
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
@@ -384,27 +407,25 @@ class PtFormat(FileFormat):
     name = "pt"
     suffix = ".flpt"
 
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
+    def _encode(self, leaves: list[Leaf]) -> tuple[list[Any], list[memoryview]]:
         tensors = [_as_tensor(leaf, i) for i, leaf in enumerate(leaves)]
         blob = io.BytesIO()
         torch.save(tensors, blob)
-        return {"kinds": _leaf_kinds(leaves)}, [blob.tell()], [blob.getbuffer()]
+        return [blob.tell()], [blob.getbuffer()]
 
-    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]:
+    def _sizes(self, kinds: list[str], values: list[Any]) -> list[int]:
         return values
 
-    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
-        return header["sizes"]  # type: ignore[no-any-return]
+    def _v2(self, header: dict[str, Any]) -> tuple[list[str], list[Any]]:
+        return header["kinds"], header["sizes"]
 
-    def _decode(
-        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
-    ) -> list[Leaf]:
+    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
         tensors = torch.load(io.BytesIO(blobs[0].data), weights_only=True, map_location="cpu")
-        if not isinstance(tensors, list) or len(tensors) != len(structure["kinds"]):
+        if not isinstance(tensors, list) or len(tensors) != len(kinds):
             raise ValueError("the .pt blob does not match its structure")
         return [
-            t if k == "t" else t.numpy().astype(np.lib.format.descr_to_dtype(k), copy=False)
-            for t, k in zip(tensors, structure["kinds"], strict=True)
+            t if k[0] == "t" else t.numpy().astype(_dtype(k), copy=False)
+            for t, k in zip(tensors, kinds, strict=True)
         ]
 
 
@@ -427,48 +448,32 @@ class NpyFormat(FileFormat):
     name = "npy"
     suffix = ".flnpy"
 
-    def _encode(self, leaves: list[Leaf]) -> tuple[dict[str, Any], list[Any], list[memoryview]]:
-        arrays: list[dict[str, Any]] = []
-        shapes: list[list[int]] = []
+    def _encode(self, leaves: list[Leaf]) -> tuple[list[Any], list[memoryview]]:
         blobs: list[memoryview] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                flat = leaf.contiguous().reshape(-1).view(torch.uint8).numpy()
-                arrays.append({"torch": str(leaf.dtype).removeprefix("torch.")})
+                blobs.append(leaf.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             else:
-                array = _contiguous(leaf)
-                flat = array.reshape(-1).view(np.uint8)
-                arrays.append({"dtype": descr(array.dtype)})
-            shapes.append([*leaf.shape])
-            blobs.append(flat.data)
-        return {"arrays": arrays}, shapes, blobs
+                blobs.append(_contiguous(leaf).reshape(-1).view(np.uint8).data)
+        return [[*leaf.shape] for leaf in leaves], blobs
 
-    def _sizes(self, structure: dict[str, Any], values: list[Any]) -> list[int]:
+    def _sizes(self, kinds: list[str], values: list[Any]) -> list[int]:
         return [
-            math.prod(shape) * _itemsize(meta)
-            for meta, shape in zip(structure["arrays"], values, strict=True)
+            math.prod(shape) * _itemsize(kind) for kind, shape in zip(kinds, values, strict=True)
         ]
 
-    def _v2_values(self, header: dict[str, Any]) -> list[Any]:
-        return [meta["shape"] for meta in header["arrays"]]
+    def _v2(self, header: dict[str, Any]) -> tuple[list[str], list[Any]]:
+        kinds = [f"t:{a['torch']}" if "torch" in a else a["dtype"] for a in header["arrays"]]
+        return kinds, [meta["shape"] for meta in header["arrays"]]
 
-    def _decode(
-        self, structure: dict[str, Any], values: list[Any], blobs: list[np.ndarray]
-    ) -> list[Leaf]:
+    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
         leaves: list[Leaf] = []
-        for meta, shape, blob in zip(structure["arrays"], values, blobs, strict=True):
-            if "torch" in meta:
-                dtype = getattr(torch, meta["torch"])
-                leaves.append(torch.from_numpy(blob).view(dtype).reshape(shape))
+        for kind, shape, blob in zip(kinds, values, blobs, strict=True):
+            if kind[0] == "t":
+                leaves.append(torch.from_numpy(blob).view(_torch_dtype(kind)).reshape(shape))
             else:
-                leaves.append(blob.view(_dtype(meta["dtype"])).reshape(shape))
+                leaves.append(blob.view(_dtype(kind)).reshape(shape))
         return leaves
-
-
-def _itemsize(meta: dict[str, Any]) -> int:
-    if "torch" in meta:
-        return int(getattr(torch, meta["torch"]).itemsize)
-    return _dtype(meta["dtype"]).itemsize
 
 
 _dtypes: dict[str, np.dtype[Any]] = {}
@@ -830,7 +835,7 @@ class ZarrFormat(Format):
             for i, (meta, kind) in enumerate(zip(header["arrays"], header["kinds"], strict=True)):
                 if _read_json(path / str(i) / "zarr.json") != _array_meta(meta):
                     raise CorruptEntryError(f"array {i} metadata disagrees with the entry: {path}")
-                arrays.append(ZarrArray(path / str(i), meta, kind == "t"))
+                arrays.append(ZarrArray(path / str(i), meta, kind[0] == "t"))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptEntryError(f"cache entry metadata is malformed: {path}") from exc
         return header["spec"], header.get("values"), arrays
