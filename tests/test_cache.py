@@ -536,6 +536,35 @@ def test_many_processes_missing_the_same_keys_compute_each_once(tmp_path: Path, 
     assert not list((root / "locks").rglob("*/*.lock"))  # no lock file per entry
 
 
+def _put_round(root: Path, fmt: str, value: int) -> None:
+    cache = Cache(root, format=fmt)  # type: ignore[arg-type]
+    for i in range(300):
+        cache.put(f"s3://b/k{i}", {"x": np.full(50 + i % 7, value, np.int32), "v": value})
+
+
+@pytest.mark.parametrize("fmt", ["pt", "npy"])
+def test_processes_putting_the_same_names_at_once_leave_whole_entries(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A put appends and indexes with no entry lock: processes putting the same names at once
+    leave, for each name, one whole entry of one of them (the later record wins)."""
+    Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_put_round, args=(tmp_path, fmt, v)) for v in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0] * 4
+    cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
+    for i in range(300):
+        got = cache.get(f"s3://b/k{i}")
+        assert got is not None and got["v"] in range(4)
+        assert np.array_equal(got["x"], np.full(50 + i % 7, got["v"], np.int32))
+    assert cache.counters.repairs == 0 and len(cache) == 300
+    assert cache.verify().corrupt == []
+
+
 def test_a_failed_compute_leaves_the_key_to_the_next_caller(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
 

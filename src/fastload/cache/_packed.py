@@ -217,7 +217,9 @@ class Packed:
             except (CorruptEntryError, OSError) as exc:
                 if self._writer is not None and self._writer.segment == segment:
                     self._writer.structures.clear()  # write a sound one for the next entries
-                return exc if isinstance(exc, CorruptEntryError) else CorruptEntryError(str(exc))
+                if isinstance(exc, CorruptEntryError):
+                    return exc
+                return CorruptEntryError(f"cache entry's structure cannot be read ({exc}): {label}")
             self._structures[at] = structure
             if len(self._structures) > _STRUCTURES:
                 self._structures.popitem(last=False)

@@ -45,7 +45,7 @@ def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any,
     if kind is dict:
         items = []
         for k, v in value.items():
-            if type(k) is not str and (type(k) is not int):
+            if type(k) is not str and type(k) is not int:  # bool is refused too
                 raise UnsupportedSampleError(f"{_where(path)} has a key of type {type(k).__name__}")
             items.append((k, _flatten(v, leaves, values, (*path, k))))
         return ("d", tuple(items))
@@ -82,6 +82,11 @@ def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any,
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _scalar_type(descr: Any) -> Any:
+    return np.lib.format.descr_to_dtype(descr).type
+
+
 def _where(path: tuple[Any, ...]) -> str:
     return "sample" + "".join(f"[{key!r}]" for key in path)
 
@@ -99,9 +104,7 @@ def _unflatten(spec: Spec, leaves: list[Leaf], values: Iterator[Any]) -> Any:
     if tag == "v":
         return spec[1] if len(spec) > 1 else next(values)
     if tag == "s":
-        return np.lib.format.descr_to_dtype(spec[1]).type(
-            spec[2] if len(spec) > 2 else next(values)
-        )
+        return _scalar_type(spec[1])(spec[2] if len(spec) > 2 else next(values))
     if tag == "b":
         return bytes.fromhex(spec[1] if len(spec) > 1 else next(values))
     if tag == "u":

@@ -174,7 +174,8 @@ class FileFormat(Format):
             return self._decode_v2(buffer, where)
         view, size = buffer.data, buffer.nbytes
         magic, length = _HEAD.unpack_from(view)
-        if magic != _MAGIC or crc32c(view[: size - 4]) != int.from_bytes(view[size - 4 :], "little"):
+        crc = int.from_bytes(view[size - 4 :], "little")
+        if magic != _MAGIC or crc32c(view[: size - 4]) != crc:
             raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         try:
             scalars, leaf_values = _values(bytes(view[_HEAD.size : _HEAD.size + length]))
