@@ -48,6 +48,7 @@ _OPEN_SEGMENTS = 64  # read descriptors kept open per process
 _IOV_MAX = 1024  # buffers one writev takes (Linux)
 _STRUCTURES = 4096  # parsed structure records kept per process, by segment and offset
 _FAR = 1 << 32  # an entry's structure record is less than this before it
+_ALIGN, _ALIGN_FROM = 64, 4096  # entries of 4 KiB or more start 64-byte aligned in the file
 
 Entry = tuple[np.ndarray, str, dict[str, Any] | None]
 """An entry's bytes, a description for errors, and its parsed structure (None: an earlier
@@ -333,10 +334,12 @@ class Packed:
             if at is None or writer.size - at >= _FAR:
                 at = writer.size
             record = entry.structure if at == writer.size else b""
-            start = writer.size + len(record)
-            length = len(record) + entry.length
+            head = writer.size + len(record)
+            gap = bytes(-head % _ALIGN if entry.length >= _ALIGN_FROM else 0)
+            start = head + len(gap)
+            length = len(record) + len(gap) + entry.length
             try:
-                writer.write([record, *entry.body, entry.tail(start - at)], length)
+                writer.write([record, gap, *entry.body, entry.tail(start - at)], length)
             except BaseException:  # part of it may be in the file: no more appends there
                 writer.close()
                 self._writer = None
