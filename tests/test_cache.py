@@ -88,7 +88,7 @@ def packed(cache: Cache, name: str) -> tuple[Path, int, int]:
 def append(cache: Cache, name: str, entry: formats.Encoded) -> None:
     """Append an entry under ``name``'s digest, as a put would (whatever it holds)."""
     assert cache._packed is not None
-    cache._packed.append(cache._digest(name), entry, _packed.SEGMENT_BYTES)
+    cache._packed.append([(cache._digest(name), entry)], _packed.SEGMENT_BYTES)
 
 
 def check_of(cache: Cache, name: str) -> bytes:

@@ -319,34 +319,43 @@ class Packed:
 
     # --- writing ------------------------------------------------------------------------------
 
-    def append(self, digest: str, entry: Encoded, limit: int) -> int:
-        """Write an entry (with its structure record, unless this segment has it) and its
-        index record; the bytes written. A new segment starts when this one would pass
-        ``limit`` bytes (or was removed: ``clear``)."""
+    def append(self, entries: Sequence[tuple[str, Encoded]], limit: int) -> int:
+        """Write entries, each after its structure record unless its segment has that one,
+        with one ``writev`` per segment, then their index records; the bytes written. A new
+        segment starts when this one would pass ``limit`` bytes (or was removed: ``clear``)."""
         with self._guard():
-            writer = self._writer
-            if writer is None or not writer.fits(entry.length + len(entry.structure), limit):
-                if writer is not None and writer.pid == os.getpid():
-                    writer.close()
-                self._close_index()
-                writer = self._writer = _Writer(self.segments, self.suffix)
-            at = writer.structures.get(entry.structure)
-            if at is None or writer.size - at >= _FAR:
-                at = writer.size
-            record = entry.structure if at == writer.size else b""
-            head = writer.size + len(record)
-            gap = bytes(-head % _ALIGN if entry.length >= _ALIGN_FROM else 0)
-            start = head + len(gap)
-            length = len(record) + len(gap) + entry.length
-            try:
-                writer.write([record, gap, *entry.body, entry.tail(start - at)], length)
-            except BaseException:  # part of it may be in the file: no more appends there
-                writer.close()
-                self._writer = None
-                raise
-            writer.structures[entry.structure] = at
-            self._record(digest, Where(writer.segment, start, entry.length))
-            return length
+            written, pending = 0, _Pending()
+            for digest, entry in entries:
+                room = len(entry.structure) + _ALIGN + entry.length
+                writer = self._writer
+                if writer is None or not writer.fits(pending.length + room, limit, pending.length):
+                    written += self._flush(pending)
+                    pending = _Pending()
+                    writer = self._new_writer()
+                pending.place(writer, digest, entry)
+            return written + self._flush(pending)
+
+    def _new_writer(self) -> _Writer:
+        """Finish this process's segment and start one (the caller holds the lock)."""
+        if self._writer is not None and self._writer.pid == os.getpid():
+            self._writer.close()
+        self._close_index()
+        self._writer = _Writer(self.segments, self.suffix)
+        return self._writer
+
+    def _flush(self, pending: _Pending) -> int:
+        """Write what ``pending`` placed, then its index records (the caller holds the lock)."""
+        writer = self._writer
+        if not pending.length or writer is None:
+            return 0
+        try:
+            writer.write(pending.pieces, pending.length)
+        except BaseException:  # part of it may be in the file: no more appends there
+            writer.close()
+            self._writer = None
+            raise
+        self._record_all(pending.places)
+        return pending.length
 
     def remove(self, digest: str) -> None:
         """Record that ``digest`` has no entry (its bytes stay until their segment goes)."""
@@ -354,15 +363,25 @@ class Packed:
             self._record(digest, Where(0, 0, 0))
 
     def _record(self, digest: str, where: Where) -> None:
-        key = bytes.fromhex(digest)
-        fields = _fields(key, where.segment, where.offset, where.length)
-        os.write(self._index_fd(digest[:2]), fields + crc32c(fields).to_bytes(4, "little"))
-        known = self._known.get(digest[:2])
-        if known is not None:  # our own write: no need to read it back
-            if where.length:
-                known[key] = where
-            else:
-                known.pop(key, None)
+        self._record_all([(digest, where)])
+
+    def _record_all(self, places: Sequence[tuple[str, Where]]) -> None:
+        """Append index records, one ``write`` per index shard (the caller holds the lock)."""
+        by_shard: dict[str, list[bytes]] = {}
+        for digest, where in places:
+            key = bytes.fromhex(digest)
+            fields = _fields(key, where.segment, where.offset, where.length)
+            by_shard.setdefault(digest[:2], []).append(
+                fields + crc32c(fields).to_bytes(4, "little")
+            )
+            known = self._known.get(digest[:2])
+            if known is not None:  # our own write: no need to read it back
+                if where.length:
+                    known[key] = where
+                else:
+                    known.pop(key, None)
+        for shard, records in by_shard.items():
+            os.write(self._index_fd(shard), b"".join(records))
 
     def _index_fd(self, shard: str) -> int:
         """The shard's index, open for appending (the caller holds the lock). Kept open while
@@ -435,9 +454,12 @@ class _Writer:
         self.size = 0
         self.structures: dict[bytes, int] = {}  # structure record -> its offset here
 
-    def fits(self, length: int, limit: int) -> bool:
+    def fits(self, length: int, limit: int, planned: int = 0) -> bool:
         """Whether this process may append ``length`` more bytes to this segment (it is ours,
-        under ``limit`` after them, or empty, and still there)."""
+        under ``limit`` after them, or empty, and still there), ``planned`` of them already
+        found to fit."""
+        if planned:
+            return self.size + length <= limit
         if self.pid != os.getpid():
             return False
         if self.size and self.size + length > limit:
@@ -456,6 +478,31 @@ class _Writer:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+class _Pending:
+    """Entries placed at the end of a segment and not yet written: their bytes and places."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes | memoryview] = []
+        self.places: list[tuple[str, Where]] = []
+        self.length = 0
+
+    def place(self, writer: _Writer, digest: str, entry: Encoded) -> None:
+        end = writer.size + self.length
+        at = writer.structures.get(entry.structure)
+        if at is None or end - at >= _FAR:  # the writer is dropped if the write fails
+            at = writer.structures[entry.structure] = end
+            self.pieces.append(entry.structure)
+            end += len(entry.structure)
+        gap = -end % _ALIGN if entry.length >= _ALIGN_FROM else 0
+        if gap:
+            self.pieces.append(bytes(gap))
+            end += gap
+        self.pieces += entry.body
+        self.pieces.append(entry.tail(end - at))
+        self.places.append((digest, Where(writer.segment, end, entry.length)))
+        self.length = end + entry.length - writer.size
 
 
 def _after(views: list[memoryview], count: int) -> list[memoryview]:

@@ -588,8 +588,13 @@ class Cache:
                 raise ConfigError(f"compute returned {len(values)} values for {len(todo)} names")
             for i, value in zip(todo, values, strict=True):
                 out[i] = value
-                if not isinstance(value, BaseException):
-                    self._store(digests[i], names[i], value)
+            self._store_all(
+                [
+                    (digests[i], names[i], value)
+                    for i, value in zip(todo, values, strict=True)
+                    if not isinstance(value, BaseException)
+                ]
+            )
         finally:
             for lock in locked.values():
                 lock.release(remove=True)
@@ -599,7 +604,7 @@ class Cache:
         self._writable(f"store {name}")
         digest = self._digest(name)
         if self._packed is not None:  # an append and its record: no lock (the last one wins)
-            self._store_packed(digest, name, sample)
+            self._store_all([(digest, name, sample)])
             return
         lock = self._lock(digest)
         lock.acquire()
@@ -608,10 +613,16 @@ class Cache:
         finally:
             lock.release(remove=True)
 
-    def _store(self, digest: str, name: str, sample: Any) -> None:
+    def _store_all(self, items: Sequence[tuple[str, str, Any]]) -> None:
+        """Store each ``(digest, name, sample)``: segment entries together, zarr ones one by
+        one."""
         if self._packed is not None:
-            self._store_packed(digest, name, sample)
+            self._store_packed(items)
             return
+        for digest, name, sample in items:
+            self._store(digest, name, sample)
+
+    def _store(self, digest: str, name: str, sample: Any) -> None:
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             assert isinstance(self._layout, ZarrFormat)  # pt and npy: segments, above
@@ -643,20 +654,28 @@ class Cache:
         self.counters.writes += 1
         self.counters.bytes_written += size
 
-    def _store_packed(self, digest: str, name: str, sample: Any) -> None:
+    def _store_packed(self, items: Sequence[tuple[str, str, Any]]) -> None:
+        """Append the entries of ``items`` to this process's segment together."""
         assert self._packed is not None
-        entry = self._packed.layout.encode(sample, bytes.fromhex(digest)[:CHECK_BYTES])
-        size = entry.length
-        if self.max_bytes is not None and size > self.max_bytes:
-            self.counters.oversize += 1
-            self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
+        layout, entries, names = self._packed.layout, [], []
+        for digest, name, sample in items:
+            entry = layout.encode(sample, bytes.fromhex(digest)[:CHECK_BYTES])
+            if self.max_bytes is not None and entry.length > self.max_bytes:
+                self.counters.oversize += 1
+                self._warn_once(
+                    name, f"not cached: {entry.length} bytes exceed max_bytes={self.max_bytes}"
+                )
+                continue
+            entries.append((digest, entry))
+            names.append(name)
+        if not entries:
             return
         limit = SEGMENT_BYTES
         if self.max_bytes is not None:
             limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
         try:
-            size = self._packed.append(digest, entry, limit)
-            stale = self._remove_legacy(digest) if self._legacy else 0
+            size = self._packed.append(entries, limit)
+            stale = sum(self._remove_legacy(digest) for digest, _ in entries) if self._legacy else 0
             pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
             if self.max_bytes is not None or pending >= _UNRECORDED:
                 with self._usage() as used:
@@ -664,10 +683,11 @@ class Cache:
                     if self.max_bytes is not None and used[0] > self.max_bytes:
                         used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
         except OSError as exc:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise CacheError(
-                f"cannot write the cache entry for {name} in {self.root} ({_why(exc)})"
+                f"cannot write the cache entry for {names[0]}{more} in {self.root} ({_why(exc)})"
             ) from exc
-        self.counters.writes += 1
+        self.counters.writes += len(entries)
         self.counters.bytes_written += size
 
     def _remove_legacy(self, digest: str) -> int:
