@@ -382,7 +382,7 @@ class Cache:
 
     def _unpacked(self, digest: str, found: Entry | CorruptEntryError) -> Any:
         """The sample in a segment entry's bytes; CorruptEntryError when they fail their
-        checks or hold another name than the one looked up."""
+        checks or were written for another sample than the one looked up."""
         if isinstance(found, CorruptEntryError):
             raise found
         assert self._packed is not None
