@@ -96,10 +96,15 @@ class Packed:
     def seal(self) -> None:
         """Finish this process's segment (it becomes evictable; the next write starts one)."""
         with self._guard():
-            if self._writer is not None and self._writer.pid == os.getpid():
-                self._writer.close()
-            self._writer = None
-            self._close_index()
+            self._finish_writer()
+
+    def _finish_writer(self) -> None:
+        """Close this process's segment and the index shards it appended to (the caller holds
+        the lock); a forked child leaves its parent's segment to the parent."""
+        if self._writer is not None and self._writer.pid == os.getpid():
+            self._writer.close()
+        self._writer = None
+        self._close_index()
 
     def close(self) -> None:
         self.seal()
@@ -337,9 +342,7 @@ class Packed:
 
     def _new_writer(self) -> _Writer:
         """Finish this process's segment and start one (the caller holds the lock)."""
-        if self._writer is not None and self._writer.pid == os.getpid():
-            self._writer.close()
-        self._close_index()
+        self._finish_writer()
         self._writer = _Writer(self.segments, self.suffix)
         return self._writer
 

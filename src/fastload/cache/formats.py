@@ -100,8 +100,10 @@ class Format(ABC):
 # --- segment entries (pt, npy) ----------------------------------------------------------------
 
 
-def _aligned(position: int, size: int) -> int:
-    align = 16 if size < _SMALL_BLOB else 64
+def _aligned(position: int, size: int, small: int = 16) -> int:
+    """Where a blob of ``size`` bytes starts at or after ``position``: aligned to ``small``
+    bytes under 1 KiB, else to 64 (earlier versions: 64 always)."""
+    align = small if size < _SMALL_BLOB else 64
     return -(-position // align) * align
 
 
@@ -243,8 +245,7 @@ class FileFormat(Format):
     ) -> list[np.ndarray]:
         blobs: list[np.ndarray] = []
         for size in sizes:
-            align = small if size < _SMALL_BLOB else 64
-            position = -(-position // align) * align
+            position = _aligned(position, size, small)
             blobs.append(buffer[position : position + size])
             position += size
         if position != buffer.nbytes - end.size:
