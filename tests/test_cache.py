@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
+from fastload._collate import collate
 from fastload.cache import _packed, formats
 from fastload.cache._locks import RangeLock, range_held
 
@@ -711,6 +713,93 @@ def test_an_entry_read_for_another_name_is_never_returned(tmp_path: Path) -> Non
     assert cache._packed is not None
     append(cache, "b", cache._packed.layout.encode(np.arange(3), check_of(cache, "a")))
     assert cache.get("b") is None and cache.counters.repairs == 1
+
+
+def test_a_batch_of_like_samples_is_read_into_place_and_stacked_without_a_copy(
+    tmp_path: Path,
+) -> None:
+    """npy entries of one length are read straight into rows of a batch array per leaf, which
+    the loader's collate hands out as the batch: the values are the samples' (16-bit images,
+    tensors, labels), and a batch still held is never overwritten by the next ones."""
+    cache = Cache(tmp_path, format="npy")
+
+    def make(positions: list[int]) -> list[Any]:
+        return [
+            {
+                "image": np.random.default_rng(p).integers(0, 2**16, (3, 40, 50), dtype=np.uint16),
+                "depth": torch.full((64, 20), float(p)),
+                "label": p,
+            }
+            for p in positions
+        ]
+
+    names = [f"s3://b/dir with space/{i:05d}.npy" for i in range(96)]
+    cache.get_many(names, make)  # written
+    cache.get_many(names[:1], make)  # read whole once: where the blobs lie is learned
+    samples = cache.get_many(names[:32], make)
+    batch = collate(samples)
+    assert cache.counters.misses == 96
+    assert np.shares_memory(batch["image"].numpy(), samples[5]["image"])
+    assert np.shares_memory(batch["depth"].numpy(), samples[5]["depth"].numpy())
+    for some in (samples[::-1], samples[:31], samples[:16] * 2):
+        copied = collate(some)
+        assert not np.shares_memory(copied["image"].numpy(), samples[5]["image"])
+        assert_same(copied["image"], default_collate(some)["image"])
+    held = {key: value.clone() for key, value in batch.items()}
+    expected = default_collate(make(list(range(32))))
+    for _ in range(5):
+        for start in (32, 64):
+            collate(cache.get_many(names[start : start + 32], make))
+    for key in expected:
+        assert_same(batch[key], expected[key])
+        assert_same(batch[key], held[key])
+
+
+def test_a_blob_damaged_under_a_batch_read_into_place_is_recomputed(tmp_path: Path) -> None:
+    cache = Cache(tmp_path, format="npy")
+
+    def make(positions: list[int]) -> list[np.ndarray]:
+        return [np.full((64, 64), p, np.float32) for p in positions]
+
+    names = [f"gs://b/k{i}" for i in range(8)]
+    cache.get_many(names, make)
+    cache.get_many(names, make)  # the spans are known now
+    path, offset, length = packed(cache, names[3])
+    with path.open("r+b") as f:
+        f.seek(offset + length // 2)  # inside the blob
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 4]))
+    again = cache.get_many(names, make)
+    assert cache.counters.repairs == 1
+    for value, expected in zip(again, make(list(range(8))), strict=True):
+        assert np.array_equal(value, expected)
+
+
+def test_entries_of_one_length_but_another_layout_are_read_right(tmp_path: Path) -> None:
+    """Where an entry's blobs lie is guessed from its length: entries of the same length with
+    their blobs elsewhere (a longer name moves the array; two arrays of swapped sizes) are
+    still read right."""
+    cache = Cache(tmp_path, format="npy")
+    kinds = [
+        {"x": np.arange(4160, dtype=np.uint8), "name": "a"},
+        {"x": np.arange(4096, dtype=np.uint8), "name": "a" * 60},
+        {"x": np.arange(2048, dtype=np.float32), "y": np.arange(1024, dtype=np.float32)},
+        {"x": np.arange(1024, dtype=np.float32), "y": np.arange(2048, dtype=np.float32)},
+    ]
+
+    def make(positions: list[int]) -> list[Any]:
+        return [kinds[p % 4] for p in positions]
+
+    names = [f"b2://b/{i}" for i in range(40)]
+    cache.get_many(names, make)
+    assert packed(cache, names[0])[2] == packed(cache, names[1])[2]
+    assert packed(cache, names[2])[2] == packed(cache, names[3])[2]
+    for order in (names, names[::-1], names[1::2] + names[::2]):
+        cache.get_many(order[:1], make)
+        for name, value in zip(order, cache.get_many(order, make), strict=True):
+            assert_same(value, kinds[int(name.rsplit("/", 1)[1]) % 4])
+    assert cache.counters.misses == 40 and cache.counters.repairs == 0
 
 
 def test_a_sample_of_many_leaves_is_written_whole(tmp_path: Path) -> None:

@@ -104,3 +104,16 @@ def test_a_loader_without_workers_uses_it_and_one_with_workers_does_not() -> Non
     assert getattr(threaded.collate_fn, "collate", None) is default_collate
     mine = fastload.DataLoader(data, batch_size=4, num_workers=0, collate_fn=len)
     assert mine.collate_fn is len
+
+
+@pytest.mark.parametrize("kind", ["arrays", "tensors"])
+def test_rows_of_a_users_array_are_copied_so_a_step_cannot_change_the_data(kind: str) -> None:
+    """A dataset of rows of one array, read whole in order (batch = dataset), still gets a
+    batch of its own, as from default_collate: changing it in place leaves the data alone."""
+    flat = np.arange(4 * 6, dtype=np.uint16).reshape(4, 6) * 2_000
+    data = flat if kind == "arrays" else torch.from_numpy(flat)
+    rows = [data[i].reshape(2, 3) for i in range(4)]
+    batch = _collate.collate(rows)
+    _same(batch, default_collate(rows))
+    batch.numpy()[...] = 1
+    assert (flat % 2_000 == 0).all()

@@ -8,6 +8,12 @@ step: on 2 cores, stacking 256 3x160x160 uint8 samples took 13.9 ms that way and
 dtype, shape and values; containers are rebuilt as ``default_collate`` rebuilds them, and
 anything else (ragged shapes, strings, tensor subclasses, non-CPU tensors...) goes to
 ``default_collate`` itself, which also raises its own errors.
+
+Samples that fastload's cache read into the rows of one batch array (``npy`` entries, see
+:class:`fastload.cache.formats.Split`), all of them and in order, are that batch already: it
+is handed out without a copy, so the batch shares its memory with those samples, as
+``batch[i]`` does. Rows of any other array are copied, as ``default_collate`` copies them: a
+training step that changes its batch in place must not change a user's dataset.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
+
+from fastload.cache._packed import read_into
 
 __all__ = ["collate"]
 
@@ -60,7 +68,57 @@ def _stack(batch: list[Any], first: Any) -> torch.Tensor | None:
         type(a) is np.ndarray and a.shape == head.shape and a.dtype == head.dtype for a in arrays
     ):
         return None
+    if type(first) is torch.Tensor:
+        rows = _tensor_rows(batch)
+        if rows is not None:
+            return rows
+    else:
+        whole = _array_rows(arrays)
+        if whole is not None:
+            return torch.from_numpy(whole)
     return torch.from_numpy(np.stack(arrays))
+
+
+def _array_rows(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """Like arrays as the batch array the cache read them into, in order, or None."""
+    base, head = arrays[0].base, arrays[0]
+    if (
+        type(base) is not np.ndarray
+        or base.ndim != 2
+        or base.shape[0] != len(arrays)
+        or not base.flags.c_contiguous
+        or base.strides[0] != head.nbytes
+    ):
+        return None
+    start = base.__array_interface__["data"][0]
+    if not read_into(start, base.nbytes):
+        return None
+    for row, a in enumerate(arrays):
+        if (
+            a.base is not base
+            or not a.flags.c_contiguous
+            or a.__array_interface__["data"][0] != start + row * head.nbytes
+        ):
+            return None
+    return base.view(head.dtype).reshape(len(arrays), *head.shape)
+
+
+def _tensor_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Like contiguous tensors as the batch the cache read them into, in order, or None."""
+    head = tensors[0]
+    storage = head.untyped_storage()
+    if storage.nbytes() != head.nbytes * len(tensors) or not read_into(
+        storage.data_ptr(), storage.nbytes()
+    ):
+        return None
+    for row, t in enumerate(tensors):
+        if (
+            t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() * t.element_size() != row * head.nbytes
+        ):
+            return None
+    whole: torch.Tensor = head.new_empty(0).set_(storage)
+    return whole.view(len(tensors), *head.shape)
 
 
 def _plain(tensor: torch.Tensor) -> bool:

@@ -54,7 +54,17 @@ from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
-__all__ = ["CHECK_BYTES", "FORMATS", "MIN_ENTRY", "Encoded", "FileFormat", "Format", "ZarrArray"]
+__all__ = [
+    "CHECK_BYTES",
+    "FORMATS",
+    "MIN_ENTRY",
+    "Encoded",
+    "FileFormat",
+    "Format",
+    "Spans",
+    "Split",
+    "ZarrArray",
+]
 
 _MAGIC = b"FLC3"
 _HEAD = struct.Struct("<4sI")  # magic, values length
@@ -73,6 +83,11 @@ _END_V2 = b"FLC."
 _PARSED = 4096  # parsed structures (and earlier versions' headers) kept per process
 MIN_ENTRY = _HEAD.size + 2 + CHECK_BYTES + _TAIL.size
 """The fewest bytes an entry can have (an earlier version's need more)."""
+_ROWS_FROM = 4096  # entries with fewer blob bytes are read whole (see Split)
+_SPANS = 4096  # entry lengths whose blob spans a format keeps
+
+Spans = tuple[tuple[int, int], ...]
+"""Where the blobs of an entry lie in it: (start, size) of each."""
 
 
 class Format(ABC):
@@ -123,8 +138,81 @@ class Encoded:
         return head + crc32c(head, self.crc).to_bytes(4, "little")
 
 
+@dataclass(slots=True)
+class Split:
+    """An entry read in pieces, so that its blobs land straight in rows of batch tensors.
+
+    ``pieces`` are the entry's bytes in order: the bytes before its first blob, then each blob
+    (row ``row`` of ``arrays[j]``, which ``batches[j]`` shares) and the bytes after it. The
+    spans are a guess, learned from an entry of the same length read before;
+    :meth:`FileFormat.decode` checks it and joins the pieces when it was wrong. When every
+    sample of a batch was read this way, ``fastload._collate`` hands out the batch tensors
+    instead of stacking copies: a batch costs one allocation and one copy (the kernel's) per
+    leaf, not two of each.
+    """
+
+    pieces: list[memoryview]
+    arrays: list[np.ndarray]
+    batches: list[torch.Tensor]
+    row: int
+    spans: Spans
+
+    def whole(self) -> np.ndarray:
+        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces])
+
+    def blob(self, index: int, kind: str) -> Leaf:
+        """The ``index``-th blob: a row of its batch tensor for a tensor leaf, else of its
+        numpy array."""
+        rows = self.batches if kind[0] == "t" else self.arrays
+        return rows[index][self.row]
+
+
+def _head(buffer: np.ndarray | Split) -> memoryview:
+    return buffer.pieces[0] if isinstance(buffer, Split) else buffer.data
+
+
+def _tail(buffer: np.ndarray | Split) -> memoryview:
+    return buffer.pieces[-1] if isinstance(buffer, Split) else buffer.data
+
+
+def _whole(buffer: np.ndarray | Split) -> np.ndarray:
+    return buffer.whole() if isinstance(buffer, Split) else buffer
+
+
+def _checksum(buffer: np.ndarray | Split) -> tuple[int, int]:
+    """The entry's length, and the CRC32C of all its bytes but the last four."""
+    if not isinstance(buffer, Split):
+        return buffer.nbytes, crc32c(buffer.data[: buffer.nbytes - 4])
+    crc = size = 0
+    for piece in buffer.pieces[:-1]:
+        crc = crc32c(piece, crc)
+        size += len(piece)
+    end = buffer.pieces[-1]
+    return size + len(end), crc32c(end[:-4], crc)
+
+
+def _spans(sizes: list[int], position: int, end: int, small: int = 16) -> Spans:
+    """Where blobs of ``sizes`` lie when the first may start at ``position`` and the last
+    ends at ``end``; ValueError when they do not add up to that."""
+    spans = []
+    for size in sizes:
+        position = _aligned(position, size, small)
+        spans.append((position, size))
+        position += size
+    if position != end:
+        raise ValueError("the blobs do not add up to the entry")
+    return tuple(spans)
+
+
 class FileFormat(Format):
     """The entries shared by ``pt`` and ``npy``: a structure, values and blobs each."""
+
+    views_blobs: ClassVar[bool] = False
+    """Whether its leaves are views of their blobs (then batches are read into place)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, Spans] = {}
+        """Where the blobs of an entry of each length were last found (see :class:`Split`)."""
 
     @abstractmethod
     def _encode(self, leaves: list[Leaf]) -> tuple[list[Any], list[memoryview]]:
@@ -134,7 +222,7 @@ class FileFormat(Format):
     def _sizes(self, kinds: list[str], values: list[Any]) -> list[int]: ...
 
     @abstractmethod
-    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
+    def _decode(self, kinds: list[str], values: list[Any], blobs: Sequence[Leaf]) -> list[Leaf]:
         """The leaves, from their kinds (see :func:`_leaf_kinds`), values and blobs."""
 
     @abstractmethod
@@ -159,43 +247,63 @@ class FileFormat(Format):
         return Encoded(record, body, position + _TAIL.size, crc)
 
     @staticmethod
-    def distance(buffer: np.ndarray) -> int | None:
+    def distance(buffer: np.ndarray | Split) -> int | None:
         """How far before the entry its structure record is; None for an earlier version's."""
-        view = buffer.data
-        if view[:4] != _MAGIC:
+        if _head(buffer)[:4] != _MAGIC:
             return None
-        return int.from_bytes(view[-_TAIL.size : -4], "little")
+        return int.from_bytes(_tail(buffer)[-_TAIL.size : -4], "little")
 
     def decode(
-        self, buffer: np.ndarray, where: str | Path, structure: dict[str, Any] | None = None
+        self,
+        buffer: np.ndarray | Split,
+        where: str | Path,
+        structure: dict[str, Any] | None = None,
     ) -> Any:
-        """The sample in an entry's bytes (a writable uint8 array) and its parsed
-        ``structure`` (None for an earlier version's entry); ``where`` names it in errors.
-        :class:`CorruptEntryError` when it fails its checksum or does not parse."""
+        """The sample in an entry's bytes (a writable uint8 array, or its pieces) and its
+        parsed ``structure`` (None for an earlier version's entry); ``where`` names it in
+        errors. :class:`CorruptEntryError` when it fails its checksum or does not parse."""
         if structure is None:
-            return self._decode_v2(buffer, where)
-        view, size = buffer.data, buffer.nbytes
-        magic, length = _HEAD.unpack_from(view)
-        crc = int.from_bytes(view[size - 4 :], "little")
-        if magic != _MAGIC or crc32c(view[: size - 4]) != crc:
+            return self._decode_v2(_whole(buffer), where)
+        head = _head(buffer)
+        magic, length = _HEAD.unpack_from(head)
+        position = _HEAD.size + length + CHECK_BYTES
+        if isinstance(buffer, Split) and position > len(head):  # the guess was wrong
+            buffer = buffer.whole()
+            head = buffer.data
+        size, crc = _checksum(buffer)
+        if magic != _MAGIC or crc != int.from_bytes(_tail(buffer)[-4:], "little"):
             raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         try:
-            scalars, leaf_values = _values(bytes(view[_HEAD.size : _HEAD.size + length]))
-            position = _HEAD.size + length + CHECK_BYTES
+            scalars, leaf_values = _values(bytes(head[_HEAD.size : _HEAD.size + length]))
             kinds = structure["kinds"]
-            blobs = self._blobs(buffer, self._sizes(kinds, leaf_values), position, 16, _TAIL)
-            leaves = self._decode(kinds, leaf_values, blobs)
+            sizes = self._sizes(kinds, leaf_values)
+            spans = _spans(sizes, position, size - _TAIL.size)
+            leaves = self._decode(kinds, leaf_values, self._blobs_of(buffer, spans, kinds))
             return unflatten(structure["spec"], leaves, scalars)
         except Exception as exc:  # the checksum passed: another format or version wrote it
             raise CorruptEntryError(
                 f"cache entry does not decode ({type(exc).__name__}): {where}"
             ) from exc
 
+    def _blobs_of(
+        self, buffer: np.ndarray | Split, spans: Spans, kinds: list[str]
+    ) -> list[np.ndarray | torch.Tensor]:
+        """The entry's blobs; where they lie is remembered for its length."""
+        if isinstance(buffer, Split) and buffer.spans == spans:
+            return [buffer.blob(j, kind) for j, kind in enumerate(kinds)]
+        whole = _whole(buffer)
+        if self.views_blobs and sum(size for _, size in spans) >= _ROWS_FROM:
+            if len(self.spans) >= _SPANS:
+                self.spans.clear()
+            self.spans[whole.nbytes] = spans
+        return [whole[start : start + size] for start, size in spans]
+
     def _decode_v2(self, buffer: np.ndarray, where: str | Path) -> Any:
         _check_v2(buffer, where)
         header, start = _parse_header(buffer, where, named=False)
         try:
-            blobs = self._blobs(buffer, header["sizes"], start, 64, _FOOTER_V2)
+            end = buffer.nbytes - _FOOTER_V2.size
+            blobs = [buffer[a : a + n] for a, n in _spans(header["sizes"], start, end, 64)]
             return unflatten(header["spec"], self._decode(*self._v2(header), blobs))
         except Exception as exc:
             raise CorruptEntryError(
@@ -218,13 +326,18 @@ class FileFormat(Format):
             raise CorruptEntryError(f"cache entry's structure record is damaged: {where}")
         return _parsed_json(raw[_STRUCTURE.size : end], where)
 
-    def matches(self, buffer: np.ndarray, digest: str, digest_of: Callable[[bytes], str]) -> bool:
+    def matches(
+        self, buffer: np.ndarray | Split, digest: str, digest_of: Callable[[bytes], str]
+    ) -> bool:
         """Whether the entry was written for ``digest`` (an earlier version's by its name,
         hashed by ``digest_of``)."""
-        view = buffer.data
+        view = _head(buffer)
         if view[:4] == _MAGIC:
             start = _HEAD.size + _HEAD.unpack_from(view)[1]
+            if start + CHECK_BYTES > len(view):
+                view = _whole(buffer).data
             return view[start : start + CHECK_BYTES] == bytes.fromhex(digest)[:CHECK_BYTES]
+        buffer = _whole(buffer)
         if buffer[:8].tobytes() != _MAGIC_V2 or buffer.nbytes < _PREFIX_V2.size:
             return False
         _, length, name_length = _PREFIX_V2.unpack_from(buffer.data)
@@ -238,19 +351,6 @@ class FileFormat(Format):
             return where
         header, _ = _parse_header(buffer, where)
         return str(header.get("name", ""))
-
-    @staticmethod
-    def _blobs(
-        buffer: np.ndarray, sizes: list[int], position: int, small: int, end: struct.Struct
-    ) -> list[np.ndarray]:
-        blobs: list[np.ndarray] = []
-        for size in sizes:
-            position = _aligned(position, size, small)
-            blobs.append(buffer[position : position + size])
-            position += size
-        if position != buffer.nbytes - end.size:
-            raise ValueError("the blobs do not add up to the entry")
-        return blobs
 
     def read(self, path: str | Path) -> Any:
         """An earlier version's entry, a file of its own."""
@@ -421,8 +521,9 @@ class PtFormat(FileFormat):
     def _v2(self, header: dict[str, Any]) -> tuple[list[str], list[Any]]:
         return header["kinds"], header["sizes"]
 
-    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
-        tensors = torch.load(io.BytesIO(blobs[0].data), weights_only=True, map_location="cpu")
+    def _decode(self, kinds: list[str], values: list[Any], blobs: Sequence[Leaf]) -> list[Leaf]:
+        raw = np.asarray(blobs[0])
+        tensors = torch.load(io.BytesIO(raw.data), weights_only=True, map_location="cpu")
         if not isinstance(tensors, list) or len(tensors) != len(kinds):
             raise ValueError("the .pt blob does not match its structure")
         return [
@@ -449,6 +550,7 @@ def _as_tensor(leaf: Leaf, index: int) -> torch.Tensor:
 class NpyFormat(FileFormat):
     name = "npy"
     suffix = ".flnpy"
+    views_blobs = True
 
     def _encode(self, leaves: list[Leaf]) -> tuple[list[Any], list[memoryview]]:
         blobs: list[memoryview] = []
@@ -468,13 +570,14 @@ class NpyFormat(FileFormat):
         kinds = [f"t:{a['torch']}" if "torch" in a else a["dtype"] for a in header["arrays"]]
         return kinds, [meta["shape"] for meta in header["arrays"]]
 
-    def _decode(self, kinds: list[str], values: list[Any], blobs: list[np.ndarray]) -> list[Leaf]:
+    def _decode(self, kinds: list[str], values: list[Any], blobs: Sequence[Leaf]) -> list[Leaf]:
         leaves: list[Leaf] = []
         for kind, shape, blob in zip(kinds, values, blobs, strict=True):
             if kind[0] == "t":
-                leaves.append(torch.from_numpy(blob).view(_torch_dtype(kind)).reshape(shape))
+                tensor = blob if isinstance(blob, torch.Tensor) else torch.from_numpy(blob)
+                leaves.append(tensor.view(_torch_dtype(kind)).reshape(shape))
             else:
-                leaves.append(blob.view(_dtype(kind)).reshape(shape))
+                leaves.append(np.asarray(blob).view(_dtype(kind)).reshape(shape))
         return leaves
 
 
