@@ -581,24 +581,31 @@ class _Reuse:
 
     A new array's pages cost the kernel a fault and a zeroing each, which here cost as much as
     the copy of the entries into them; memory the allocator returned to the kernel between
-    batches (it does for large blocks) would pay that every batch. Only CPython's reference
-    counts say an array is free, so elsewhere every array is new.
+    batches (it does for large blocks) would pay that every batch. Reference counts say when
+    an array is free; where they cannot be trusted (a build without the GIL) none is reused.
     """
 
     def __init__(self, most: int, most_bytes: int) -> None:
-        self._arrays: list[tuple[np.ndarray, int]] = []  # and where each one's memory starts
         self._most, self._most_bytes = most, most_bytes
+        held = (np.empty(0), 0)  # what getrefcount says of an array one tuple alone holds
+        self._free = sys.getrefcount(held[0])
+        self._reuse = getattr(sys, "_is_gil_enabled", lambda: True)()
+        self.forget()
+        os.register_at_fork(after_in_child=self.forget)
+
+    def forget(self) -> None:
+        """A new lock (another thread may have held this one at a fork) and no arrays."""
+        self._arrays: list[tuple[np.ndarray, int]] = []  # and where each one's memory starts
         self._lock = threading.Lock()
-        self._counted = (
-            sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
-        )
 
     def take(self, shape: tuple[int, int]) -> np.ndarray:
         with self._lock:
-            for array, _ in self._arrays:
-                # referred to by the list, this loop and getrefcount's argument alone
-                if array.shape == shape and self._counted and sys.getrefcount(array) == 3:
-                    return array
+            for k in range(len(self._arrays) if self._reuse else 0):
+                if (
+                    self._arrays[k][0].shape == shape
+                    and sys.getrefcount(self._arrays[k][0]) == self._free
+                ):
+                    return self._arrays[k][0]
             array = np.empty(shape, np.uint8)
             self._arrays.append((array, array.__array_interface__["data"][0]))
             while len(self._arrays) > self._most or (
@@ -612,7 +619,7 @@ class _Reuse:
             return any(at == start and a.nbytes == nbytes for a, at in self._arrays)
 
 
-_BATCHES = _Reuse(16, 512 * 2**20)
+_BATCHES = _Reuse(8, 256 * 2**20)
 
 
 def read_into(start: int, nbytes: int) -> bool:
