@@ -10,7 +10,7 @@ anything else (ragged shapes, strings, tensor subclasses, non-CPU tensors...) go
 ``default_collate`` itself, which also raises its own errors.
 
 Samples that fastload's cache read into the rows of one batch array (``npy`` entries, see
-:class:`fastload.cache.formats.Split`), all of them and in order, are that batch already: it
+:mod:`fastload.cache._batch`), all of them and in order, are that batch already: it
 is handed out without a copy, so the batch shares its memory with those samples, as
 ``batch[i]`` does. Rows of any other array are copied, as ``default_collate`` copies them: a
 training step that changes its batch in place must not change a user's dataset.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from fastload.cache._packed import read_into
+from fastload.cache._batch import read_into
 
 __all__ = ["collate"]
 

@@ -25,7 +25,6 @@ import os
 import re
 import secrets
 import struct
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -34,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from crc32c import crc32c
 
+from fastload.cache._batch import Rows, Split
 from fastload.cache._locks import lock_whole
-from fastload.cache.formats import MIN_ENTRY, Encoded, FileFormat, Spans, Split, read_at
+from fastload.cache.formats import MIN_ENTRY, Encoded, FileFormat, read_at
 from fastload.errors import CorruptEntryError
 
-__all__ = ["SEGMENT_BYTES", "Packed", "Where", "read_into"]
+__all__ = ["SEGMENT_BYTES", "Packed", "Where"]
 
 SEGMENT_BYTES = 256 * 2**20
 """A writer starts a new segment past this size (eviction frees space a segment at a time)."""
@@ -145,7 +144,7 @@ class Packed:
         gone: list[int] = []
         with self._guard():
             places = self._find_all(digests)
-            rows = _Rows(places, self.layout.spans)
+            rows = Rows([None if w is None else w.length for w in places], self.layout.spans)
             by_segment: dict[int, list[tuple[int, Where]]] = {}
             for i, where in enumerate(places):
                 if where is not None:
@@ -190,7 +189,7 @@ class Packed:
         segment: int,
         entries: list[tuple[int, Where]],
         out: list[Found],
-        rows: _Rows,
+        rows: Rows,
     ) -> None:
         """Read ``entries`` (position, place) of one segment into ``out``, a ``preadv`` per run
         of entries that follow one another in it, each into its ``rows`` buffer (the caller
@@ -522,113 +521,6 @@ def _after(views: list[memoryview], count: int) -> list[memoryview]:
     return left
 
 
-class _Rows:
-    """Where one batch read puts each entry: when several are of a length whose blob spans are
-    known (:attr:`FileFormat.spans`), their blobs go into rows of a batch tensor per blob (a
-    :class:`Split` each), in the order asked for; any other entry into a buffer of its own."""
-
-    def __init__(self, places: Sequence[Where | None], spans: dict[int, Spans]) -> None:
-        alike: dict[int, list[int]] = {}
-        for i, where in enumerate(places):
-            if where is not None and where.length in spans:
-                alike.setdefault(where.length, []).append(i)
-        self._rows: dict[int, tuple[_Alike, int]] = {}
-        for length, positions in alike.items():
-            if len(positions) > 1:
-                group = _Alike(len(positions), length, spans[length])
-                for row, i in enumerate(positions):
-                    self._rows[i] = group, row
-
-    def buffer(self, i: int, where: Where) -> np.ndarray | Split:
-        """The buffer of the entry at position ``i`` of the batch."""
-        placed = self._rows.get(i)
-        if placed is None:
-            return np.empty(where.length, np.uint8)
-        group, row = placed
-        return Split(group.pieces(row), group.arrays, group.batches, row, group.spans)
-
-
-class _Alike:
-    """The batch arrays of ``count`` entries of one length and blob ``spans`` (a tensor each
-    too), and a buffer for the bytes around their blobs."""
-
-    def __init__(self, count: int, length: int, spans: Spans) -> None:
-        self.arrays = [_BATCHES.take((count, size)) for _, size in spans]
-        self.batches = [torch.from_numpy(array) for array in self.arrays]
-        self.spans = spans
-        self._flat = [array.reshape(-1).data for array in self.arrays]
-        ends = [0] + [start + size for start, size in spans]
-        self._around = [start - end for (start, _), end in zip(spans, ends, strict=False)]
-        self._around.append(length - ends[-1])
-        self._rest = memoryview(bytearray(count * sum(self._around)))
-        self._row_rest = sum(self._around)
-
-    def pieces(self, row: int) -> list[memoryview]:
-        """Row ``row``'s entry as buffers in order: around, blob, around, ..., around."""
-        at = row * self._row_rest
-        pieces = []
-        for j, n in enumerate(self._around):
-            if j:
-                size = self.spans[j - 1][1]
-                pieces.append(self._flat[j - 1][row * size : (row + 1) * size])
-            pieces.append(self._rest[at : at + n])
-            at += n
-        return pieces
-
-
-class _Reuse:
-    """The last batch arrays handed out, each reused once nothing else refers to it.
-
-    A new array's pages cost the kernel a fault and a zeroing each, which here cost as much as
-    the copy of the entries into them; memory the allocator returned to the kernel between
-    batches (it does for large blocks) would pay that every batch. Reference counts say when
-    an array is free; where they cannot be trusted (a build without the GIL) none is reused.
-    """
-
-    def __init__(self, most: int, most_bytes: int) -> None:
-        self._most, self._most_bytes = most, most_bytes
-        held = (np.empty(0), 0)  # what getrefcount says of an array one tuple alone holds
-        self._free = sys.getrefcount(held[0])
-        self._reuse = getattr(sys, "_is_gil_enabled", lambda: True)()
-        self.forget()
-        os.register_at_fork(after_in_child=self.forget)
-
-    def forget(self) -> None:
-        """A new lock (another thread may have held this one at a fork) and no arrays."""
-        self._arrays: list[tuple[np.ndarray, int]] = []  # and where each one's memory starts
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, int]) -> np.ndarray:
-        with self._lock:
-            for k in range(len(self._arrays) if self._reuse else 0):
-                if (
-                    self._arrays[k][0].shape == shape
-                    and sys.getrefcount(self._arrays[k][0]) == self._free
-                ):
-                    return self._arrays[k][0]
-            array = np.empty(shape, np.uint8)
-            self._arrays.append((array, array.__array_interface__["data"][0]))
-            while len(self._arrays) > self._most or (
-                sum(a.nbytes for a, _ in self._arrays) > self._most_bytes and len(self._arrays) > 1
-            ):
-                self._arrays.pop(0)
-            return array
-
-    def holds(self, start: int, nbytes: int) -> bool:
-        with self._lock:
-            return any(at == start and a.nbytes == nbytes for a, at in self._arrays)
-
-
-_BATCHES = _Reuse(8, 256 * 2**20)
-
-
-def read_into(start: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` of memory at ``start`` are a batch array that entries were read
-    into (so :mod:`fastload._collate` may hand it out: no one else's data can be changed
-    through it)."""
-    return _BATCHES.holds(start, nbytes)
-
-
 Raw = tuple[np.ndarray | Split, str] | CorruptEntryError
 """An entry's bytes and a description for errors, or why they cannot be read."""
 
@@ -642,12 +534,12 @@ def _read_one(fd: int, path: str, where: Where) -> Raw:
 
 
 def _read_run(
-    fd: int, path: str, run: list[tuple[int, Where]], out: dict[int, Raw], rows: _Rows
+    fd: int, path: str, run: list[tuple[int, Where]], out: dict[int, Raw], rows: Rows
 ) -> None:
     """Entries that follow one another in a segment, read by one ``preadv`` into ``out`` by
     position (after a short read, of a segment cut short, each is read alone to say which entry
     is truncated)."""
-    buffers = [rows.buffer(i, where) for i, where in run]
+    buffers = [rows.buffer(i, where.length) for i, where in run]
     start = run[0][1].offset
     total = sum(where.length for _, where in run)
     views = [

@@ -49,6 +49,7 @@ import torch
 from crc32c import crc32c
 
 from fastload._extras import import_extra
+from fastload.cache._batch import Spans, Split
 from fastload.cache._locks import private_dirs
 from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
@@ -61,8 +62,6 @@ __all__ = [
     "Encoded",
     "FileFormat",
     "Format",
-    "Spans",
-    "Split",
     "ZarrArray",
 ]
 
@@ -85,9 +84,6 @@ MIN_ENTRY = _HEAD.size + 2 + CHECK_BYTES + _TAIL.size
 """The fewest bytes an entry can have (an earlier version's need more)."""
 _ROWS_FROM = 4096  # entries with fewer blob bytes are read whole (see Split)
 _SPANS = 4096  # entry lengths whose blob spans a format keeps
-
-Spans = tuple[tuple[int, int], ...]
-"""Where the blobs of an entry lie in it: (start, size) of each."""
 
 
 class Format(ABC):
@@ -136,35 +132,6 @@ class Encoded:
         """The entry's last bytes, its structure record ``distance`` bytes before it."""
         head = distance.to_bytes(4, "little")
         return head + crc32c(head, self.crc).to_bytes(4, "little")
-
-
-@dataclass(slots=True)
-class Split:
-    """An entry read in pieces, so that its blobs land straight in rows of batch tensors.
-
-    ``pieces`` are the entry's bytes in order: the bytes before its first blob, then each blob
-    (row ``row`` of ``arrays[j]``, which ``batches[j]`` shares) and the bytes after it. The
-    spans are a guess, learned from an entry of the same length read before;
-    :meth:`FileFormat.decode` checks it and joins the pieces when it was wrong. When every
-    sample of a batch was read this way, ``fastload._collate`` hands out the batch tensors
-    instead of stacking copies: a batch costs one allocation and one copy (the kernel's) per
-    leaf, not two of each.
-    """
-
-    pieces: list[memoryview]
-    arrays: list[np.ndarray]
-    batches: list[torch.Tensor]
-    row: int
-    spans: Spans
-
-    def whole(self) -> np.ndarray:
-        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces])
-
-    def blob(self, index: int, kind: str) -> Leaf:
-        """The ``index``-th blob: a row of its batch tensor for a tensor leaf, else of its
-        numpy array."""
-        rows = self.batches if kind[0] == "t" else self.arrays
-        return rows[index][self.row]
 
 
 def _head(buffer: np.ndarray | Split) -> memoryview:

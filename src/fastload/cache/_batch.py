@@ -1,0 +1,157 @@
+"""Batches read into place: a batch of like cache entries read straight into batch arrays.
+
+A reader that knows where the blobs of an entry of some length lie (learned from an entry of
+that length read before) reads each entry of a batch in pieces (:class:`Split`): every blob
+into a row of one batch array per blob, the bytes around them into a small buffer. The format
+checks the guess when it decodes (:meth:`fastload.cache.formats.FileFormat.decode`), and the
+collate without workers hands out a batch array whose rows are a whole batch in order
+(:func:`read_into` says which arrays those are) instead of stacking copies of them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastload.cache._tree import Leaf
+
+__all__ = ["Rows", "Spans", "Split", "read_into"]
+
+Spans = tuple[tuple[int, int], ...]
+"""Where the blobs of an entry lie in it: (start, size) of each."""
+
+
+@dataclass(slots=True)
+class Split:
+    """An entry read in pieces: the bytes before its first blob, then each blob (row ``row``
+    of ``arrays[j]``, which ``batches[j]`` shares) and the bytes after it. ``spans`` is where
+    the reader guessed the blobs lie; the format checks that guess when it decodes, and joins
+    the pieces when it was wrong."""
+
+    pieces: list[memoryview]
+    arrays: list[np.ndarray]
+    batches: list[torch.Tensor]
+    row: int
+    spans: Spans
+
+    def whole(self) -> np.ndarray:
+        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces])
+
+    def blob(self, index: int, kind: str) -> Leaf:
+        """The ``index``-th blob: a row of its batch tensor for a tensor leaf, else of its
+        numpy array."""
+        rows = self.batches if kind[0] == "t" else self.arrays
+        return rows[index][self.row]
+
+
+class Rows:
+    """Where one batch read puts each entry: when several are of a length whose blob spans are
+    known (``FileFormat.spans``), their blobs go into rows of a batch tensor per blob (a
+    :class:`Split` each), in the order asked for; any other entry into a buffer of its own."""
+
+    def __init__(self, lengths: Sequence[int | None], spans: dict[int, Spans]) -> None:
+        alike: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            if length is not None and length in spans:
+                alike.setdefault(length, []).append(i)
+        self._rows: dict[int, tuple[_Alike, int]] = {}
+        for length, positions in alike.items():
+            if len(positions) > 1:
+                group = _Alike(len(positions), length, spans[length])
+                for row, i in enumerate(positions):
+                    self._rows[i] = group, row
+
+    def buffer(self, i: int, length: int) -> np.ndarray | Split:
+        """The buffer of the entry at position ``i`` of the batch, ``length`` bytes long."""
+        placed = self._rows.get(i)
+        if placed is None:
+            return np.empty(length, np.uint8)
+        group, row = placed
+        return Split(group.pieces(row), group.arrays, group.batches, row, group.spans)
+
+
+class _Alike:
+    """The batch arrays of ``count`` entries of one length and blob ``spans`` (a tensor each
+    too), and a buffer for the bytes around their blobs."""
+
+    def __init__(self, count: int, length: int, spans: Spans) -> None:
+        self.arrays = [_BATCHES.take((count, size)) for _, size in spans]
+        self.batches = [torch.from_numpy(array) for array in self.arrays]
+        self.spans = spans
+        self._flat = [array.reshape(-1).data for array in self.arrays]
+        ends = [0] + [start + size for start, size in spans]
+        self._around = [start - end for (start, _), end in zip(spans, ends, strict=False)]
+        self._around.append(length - ends[-1])
+        self._rest = memoryview(bytearray(count * sum(self._around)))
+        self._row_rest = sum(self._around)
+
+    def pieces(self, row: int) -> list[memoryview]:
+        """Row ``row``'s entry as buffers in order: around, blob, around, ..., around."""
+        at = row * self._row_rest
+        pieces = []
+        for j, n in enumerate(self._around):
+            if j:
+                size = self.spans[j - 1][1]
+                pieces.append(self._flat[j - 1][row * size : (row + 1) * size])
+            pieces.append(self._rest[at : at + n])
+            at += n
+        return pieces
+
+
+class _Reuse:
+    """The last batch arrays handed out, each reused once nothing else refers to it.
+
+    A new array's pages cost the kernel a fault and a zeroing each, which here cost as much as
+    the copy of the entries into them; memory the allocator returned to the kernel between
+    batches (it does for large blocks) would pay that every batch. Reference counts say when
+    an array is free; where they cannot be trusted (a build without the GIL) none is reused.
+    """
+
+    def __init__(self, most: int, most_bytes: int) -> None:
+        self._most, self._most_bytes = most, most_bytes
+        held = (np.empty(0), 0)  # what getrefcount says of an array one tuple alone holds
+        self._free = sys.getrefcount(held[0])
+        self._reuse = getattr(sys, "_is_gil_enabled", lambda: True)()
+        self.forget()
+        os.register_at_fork(after_in_child=self.forget)
+
+    def forget(self) -> None:
+        """A new lock (another thread may have held this one at a fork) and no arrays."""
+        self._arrays: list[tuple[np.ndarray, int]] = []  # and where each one's memory starts
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, int]) -> np.ndarray:
+        with self._lock:
+            for k in range(len(self._arrays) if self._reuse else 0):
+                if (
+                    self._arrays[k][0].shape == shape
+                    and sys.getrefcount(self._arrays[k][0]) == self._free
+                ):
+                    return self._arrays[k][0]
+            array = np.empty(shape, np.uint8)
+            self._arrays.append((array, array.__array_interface__["data"][0]))
+            while len(self._arrays) > self._most or (
+                sum(a.nbytes for a, _ in self._arrays) > self._most_bytes and len(self._arrays) > 1
+            ):
+                self._arrays.pop(0)
+            return array
+
+    def holds(self, start: int, nbytes: int) -> bool:
+        with self._lock:
+            return any(at == start and a.nbytes == nbytes for a, at in self._arrays)
+
+
+_BATCHES = _Reuse(8, 256 * 2**20)
+
+
+def read_into(start: int, nbytes: int) -> bool:
+    """Whether the ``nbytes`` of memory at ``start`` are a batch array that entries were read
+    into (so :mod:`fastload._collate` may hand it out: no one else's data can be changed
+    through it)."""
+    return _BATCHES.holds(start, nbytes)
