@@ -55,15 +55,7 @@ from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
-__all__ = [
-    "CHECK_BYTES",
-    "FORMATS",
-    "MIN_ENTRY",
-    "Encoded",
-    "FileFormat",
-    "Format",
-    "ZarrArray",
-]
+__all__ = ["CHECK_BYTES", "FORMATS", "MIN_ENTRY", "Encoded", "FileFormat", "Format", "ZarrArray"]
 
 _MAGIC = b"FLC3"
 _HEAD = struct.Struct("<4sI")  # magic, values length
@@ -82,7 +74,7 @@ _END_V2 = b"FLC."
 _PARSED = 4096  # parsed structures (and earlier versions' headers) kept per process
 MIN_ENTRY = _HEAD.size + 2 + CHECK_BYTES + _TAIL.size
 """The fewest bytes an entry can have (an earlier version's need more)."""
-_ROWS_FROM = 4096  # entries with fewer blob bytes are read whole (see Split)
+_ROWS_FROM = 4096  # entries with fewer blob bytes are read whole (see cache/_batch.py)
 _SPANS = 4096  # entry lengths whose blob spans a format keeps
 
 
