@@ -437,3 +437,39 @@ def test_forked_workers_wait_for_a_running_listing_check() -> None:
     batches = iter(loader)
     assert check.done()
     assert sum(len(y) for _, y in batches) == 8
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_held(
+    tmp_path: Path, workers: int
+) -> None:
+    """Warm epochs of a labelled npy cache hand out exactly the samples of each batch, with
+    their labels, whether the loop keeps every batch of an epoch (no batch array may be reused
+    under it) or drops each one (they are reused)."""
+    expected = {}
+    for i in range(96):
+        image = np.random.default_rng(i).integers(0, 2**16, (3, 40, 50), dtype=np.uint16)
+        folder = tmp_path / "data" / ("cat" if i % 3 else "dog")
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"{i:03d} a.npy", image)  # a space in the key, two classes
+        expected[image.tobytes()] = int(i % 3 == 0)  # label index: classes sorted
+    dataset = RemoteDataset(
+        f"file://{tmp_path / 'data'}",
+        decode="npy",
+        labels="folders",
+        cache=Cache(tmp_path / "cache", format="npy"),
+    )
+    loader = fastload.DataLoader(dataset, batch_size=16, shuffle=True, num_workers=workers)
+
+    def check(batch: Any) -> int:
+        images, labels = batch
+        assert images.dtype == torch.uint16 and images.shape[1:] == (3, 40, 50)
+        for image, label in zip(images.numpy(), labels.tolist(), strict=True):
+            assert expected[image.tobytes()] == label
+        return len(images)
+
+    for _ in range(2):  # the first fills the cache
+        held = list(loader)
+        assert sum(check(batch) for batch in held) == 96
+    for _ in range(2):
+        assert sum(check(batch) for batch in loader) == 96
