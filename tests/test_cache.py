@@ -726,7 +726,7 @@ def test_a_batch_of_like_samples_is_read_into_place_and_stacked_without_a_copy(
     def make(positions: list[int]) -> list[Any]:
         return [
             {
-                "image": np.random.default_rng(p).integers(0, 2**16, (3, 40, 50), dtype=np.uint16),
+                "image": np.random.default_rng(p).integers(0, 2**16, (3, 96, 128), dtype=np.uint16),
                 "depth": torch.full((64, 20), float(p)),
                 "label": p,
             }
@@ -759,7 +759,7 @@ def test_a_blob_damaged_under_a_batch_read_into_place_is_recomputed(tmp_path: Pa
     cache = Cache(tmp_path, format="npy")
 
     def make(positions: list[int]) -> list[np.ndarray]:
-        return [np.full((64, 64), p, np.float32) for p in positions]
+        return [np.full((128, 128), p, np.float32) for p in positions]
 
     names = [f"gs://b/k{i}" for i in range(8)]
     cache.get_many(names, make)
@@ -782,10 +782,10 @@ def test_entries_of_one_length_but_another_layout_are_read_right(tmp_path: Path)
     still read right."""
     cache = Cache(tmp_path, format="npy")
     kinds = [
-        {"x": np.arange(4160, dtype=np.uint8), "name": "a"},
-        {"x": np.arange(4096, dtype=np.uint8), "name": "a" * 60},
-        {"x": np.arange(2048, dtype=np.float32), "y": np.arange(1024, dtype=np.float32)},
-        {"x": np.arange(1024, dtype=np.float32), "y": np.arange(2048, dtype=np.float32)},
+        {"x": np.arange(65_600, dtype=np.uint8), "name": "a"},
+        {"x": np.arange(65_536, dtype=np.uint8), "name": "a" * 60},
+        {"x": np.arange(16_384, dtype=np.float32), "y": np.arange(8_192, dtype=np.float32)},
+        {"x": np.arange(8_192, dtype=np.float32), "y": np.arange(16_384, dtype=np.float32)},
     ]
 
     def make(positions: list[int]) -> list[Any]:

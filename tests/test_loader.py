@@ -448,7 +448,7 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
     under it) or drops each one (they are reused)."""
     expected = {}
     for i in range(96):
-        image = np.random.default_rng(i).integers(0, 2**16, (3, 40, 50), dtype=np.uint16)
+        image = np.random.default_rng(i).integers(0, 2**16, (3, 96, 128), dtype=np.uint16)
         folder = tmp_path / "data" / ("cat" if i % 3 else "dog")
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / f"{i:03d} a.npy", image)  # a space in the key, two classes
@@ -463,7 +463,7 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
 
     def check(batch: Any) -> int:
         images, labels = batch
-        assert images.dtype == torch.uint16 and images.shape[1:] == (3, 40, 50)
+        assert images.dtype == torch.uint16 and images.shape[1:] == (3, 96, 128)
         for image, label in zip(images.numpy(), labels.tolist(), strict=True):
             assert expected[image.tobytes()] == label
         return len(images)

@@ -29,24 +29,37 @@ Spans = tuple[tuple[int, int], ...]
 
 @dataclass(slots=True)
 class Split:
-    """An entry read in pieces: the bytes before its first blob, then each blob (row ``row``
-    of ``arrays[j]``, which ``batches[j]`` shares) and the bytes after it. ``spans`` is where
-    the reader guessed the blobs lie; the format checks that guess when it decodes, and joins
-    the pieces when it was wrong."""
+    """An entry read in pieces: row ``row`` of ``group``. Its pieces are the bytes before its
+    first blob, then each blob (a row of the group's batch array for it) and the bytes after
+    it. The group's spans are where the reader guessed the blobs lie; the format checks that
+    guess when it decodes, and joins the pieces when it was wrong. (One object an entry: the
+    pieces are made when asked for, so a batch leaves little for the garbage collector.)"""
 
-    pieces: list[memoryview]
-    arrays: list[np.ndarray]
-    batches: list[torch.Tensor]
+    group: _Alike
     row: int
-    spans: Spans
+
+    @property
+    def spans(self) -> Spans:
+        return self.group.spans
+
+    def pieces(self) -> list[memoryview]:
+        return self.group.pieces(self.row)
+
+    def head(self) -> memoryview:
+        """The bytes before the first blob."""
+        return self.group.around(self.row, 0)
+
+    def tail(self) -> memoryview:
+        """The bytes after the last blob."""
+        return self.group.around(self.row, len(self.group.spans))
 
     def whole(self) -> np.ndarray:
-        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces])
+        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces()])
 
     def blob(self, index: int, kind: str) -> Leaf:
         """The ``index``-th blob: a row of its batch tensor for a tensor leaf, else of its
         numpy array."""
-        rows = self.batches if kind[0] == "t" else self.arrays
+        rows = self.group.batches if kind[0] == "t" else self.group.arrays
         return rows[index][self.row]
 
 
@@ -58,7 +71,7 @@ class Rows:
     def __init__(self, lengths: Sequence[int | None], spans: dict[int, Spans]) -> None:
         alike: dict[int, list[int]] = {}
         for i, length in enumerate(lengths):
-            if length is not None and length in spans:
+            if length in spans:
                 alike.setdefault(length, []).append(i)
         self._rows: dict[int, tuple[_Alike, int]] = {}
         for length, positions in alike.items():
@@ -72,8 +85,7 @@ class Rows:
         placed = self._rows.get(i)
         if placed is None:
             return np.empty(length, np.uint8)
-        group, row = placed
-        return Split(group.pieces(row), group.arrays, group.batches, row, group.spans)
+        return Split(*placed)
 
 
 class _Alike:
@@ -88,19 +100,21 @@ class _Alike:
         ends = [0] + [start + size for start, size in spans]
         self._around = [start - end for (start, _), end in zip(spans, ends, strict=False)]
         self._around.append(length - ends[-1])
-        self._rest = memoryview(bytearray(count * sum(self._around)))
-        self._row_rest = sum(self._around)
+        self._starts = [0]  # of each run of bytes around the blobs, within a row's share
+        for n in self._around:
+            self._starts.append(self._starts[-1] + n)
+        self._rest = memoryview(bytearray(count * self._starts[-1]))
+
+    def around(self, row: int, index: int) -> memoryview:
+        """The ``index``-th run of bytes around the blobs of row ``row``'s entry."""
+        at = row * self._starts[-1] + self._starts[index]
+        return self._rest[at : at + self._around[index]]
 
     def pieces(self, row: int) -> list[memoryview]:
         """Row ``row``'s entry as buffers in order: around, blob, around, ..., around."""
-        at = row * self._row_rest
-        pieces = []
-        for j, n in enumerate(self._around):
-            if j:
-                size = self.spans[j - 1][1]
-                pieces.append(self._flat[j - 1][row * size : (row + 1) * size])
-            pieces.append(self._rest[at : at + n])
-            at += n
+        pieces = [self.around(row, 0)]
+        for j, (_, size) in enumerate(self.spans):
+            pieces += [self._flat[j][row * size : (row + 1) * size], self.around(row, j + 1)]
         return pieces
 
 

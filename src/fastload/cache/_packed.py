@@ -144,7 +144,8 @@ class Packed:
         gone: list[int] = []
         with self._guard():
             places = self._find_all(digests)
-            rows = Rows([None if w is None else w.length for w in places], self.layout.spans)
+            spans = self.layout.spans
+            rows = Rows([None if w is None else w.length for w in places], spans) if spans else None
             by_segment: dict[int, list[tuple[int, Where]]] = {}
             for i, where in enumerate(places):
                 if where is not None:
@@ -189,7 +190,7 @@ class Packed:
         segment: int,
         entries: list[tuple[int, Where]],
         out: list[Found],
-        rows: Rows,
+        rows: Rows | None,
     ) -> None:
         """Read ``entries`` (position, place) of one segment into ``out``, a ``preadv`` per run
         of entries that follow one another in it, each into its ``rows`` buffer (the caller
@@ -534,19 +535,23 @@ def _read_one(fd: int, path: str, where: Where) -> Raw:
 
 
 def _read_run(
-    fd: int, path: str, run: list[tuple[int, Where]], out: dict[int, Raw], rows: Rows
+    fd: int, path: str, run: list[tuple[int, Where]], out: dict[int, Raw], rows: Rows | None
 ) -> None:
     """Entries that follow one another in a segment, read by one ``preadv`` into ``out`` by
     position (after a short read, of a segment cut short, each is read alone to say which entry
     is truncated)."""
-    buffers = [rows.buffer(i, where.length) for i, where in run]
+    if rows is None:
+        buffers: list[np.ndarray | Split] = [np.empty(where.length, np.uint8) for _, where in run]
+    else:
+        buffers = [rows.buffer(i, where.length) for i, where in run]
     start = run[0][1].offset
     total = sum(where.length for _, where in run)
-    views = [
-        piece
-        for buffer in buffers
-        for piece in (buffer.pieces if isinstance(buffer, Split) else (buffer.data,))
-    ]
+    views: list[memoryview] = []
+    for buffer in buffers:
+        if isinstance(buffer, Split):
+            views += buffer.pieces()
+        else:
+            views.append(buffer.data)
     got = 0
     while got < total and (count := os.preadv(fd, views[:_IOV_MAX], start + got)):
         got += count
