@@ -69,14 +69,16 @@ class Rows:
     :class:`Split` each), in the order asked for; any other entry into a buffer of its own."""
 
     def __init__(self, lengths: Sequence[int | None], spans: dict[int, Spans]) -> None:
-        alike: dict[int, list[int]] = {}
+        alike: dict[int, tuple[Spans, list[int]]] = {}
         for i, length in enumerate(lengths):
-            if length in spans:
-                alike.setdefault(length, []).append(i)
+            # one look per entry: another thread's decode may clear ``spans`` meanwhile
+            known = None if length is None else spans.get(length)
+            if known is not None and length is not None:
+                alike.setdefault(length, (known, []))[1].append(i)
         self._rows: dict[int, tuple[_Alike, int]] = {}
-        for length, positions in alike.items():
+        for length, (known, positions) in alike.items():
             if len(positions) > 1:
-                group = _Alike(len(positions), length, spans[length])
+                group = _Alike(len(positions), length, known)
                 for row, i in enumerate(positions):
                     self._rows[i] = group, row
 
