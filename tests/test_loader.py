@@ -451,7 +451,7 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
         image = np.random.default_rng(i).integers(0, 2**16, (3, 96, 128), dtype=np.uint16)
         folder = tmp_path / "data" / ("cat" if i % 3 else "dog")
         folder.mkdir(parents=True, exist_ok=True)
-        np.save(folder / f"{i:03d} a.npy", image)  # a space in the key, two classes
+        np.save(folder / f"{i:03d} a%20é.npy", image)  # odd keys, two classes
         expected[image.tobytes()] = int(i % 3 == 0)  # label index: classes sorted
     dataset = RemoteDataset(
         f"file://{tmp_path / 'data'}",
@@ -471,5 +471,10 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
     for _ in range(2):  # the first fills the cache
         held = list(loader)
         assert sum(check(batch) for batch in held) == 96
+    filled = dataset.stats()["cache"]["misses"]
     for _ in range(2):
         assert sum(check(batch) for batch in loader) == 96
+    # the names warm reads look for are those the lookahead checks: nothing is made twice
+    assert all(dataset.cache.contains_many([dataset._cache_name(i) for i in range(96)]))
+    if workers == 0:
+        assert dataset.stats()["cache"]["misses"] == filled

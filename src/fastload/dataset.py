@@ -399,7 +399,25 @@ class RemoteDataset(_Batched):
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
     def _items(self, indices: list[int]) -> list[Any]:
+        cache = self.cache
+        if cache is not None and self.on_change != "refresh" and type(self.source) is SingleObjects:
+            return self._objects(indices, cache)
         return self._samples([self._sample(i) for i in indices])
+
+    def _objects(self, indices: list[int], cache: Cache) -> list[Any]:
+        """:meth:`_samples` of single objects through the cache, with no :class:`Sample` made
+        for a sample the cache holds (they cost a warm batch about a tenth of its CPU)."""
+        found = self.manifest.identities(indices)
+        names = [Cache.name(url, version, self.fingerprint) for url, version, _ in found]
+        made = cache.get_many(
+            names, lambda positions: self._produce([self._sample(indices[p]) for p in positions])
+        )
+        if not self._labelled:
+            return made
+        return [
+            m if isinstance(m, BaseException) else (m, label)
+            for m, (_, _, label) in zip(made, found, strict=True)
+        ]
 
     def _sample(self, index: int) -> Sample:
         return self._fresh.get(index) or self.source[index]

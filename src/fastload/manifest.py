@@ -270,6 +270,15 @@ class Manifest(Sequence[Entry]):
         label = None if self._labels is None else int(self._labels[i])
         return Entry(key, int(self._sizes[i]), self._versions[i], self.url(key), label)
 
+    def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
+        """The URL, version and label of the entries at ``indices`` (each in range), as
+        ``self[i]`` gives them, without an :class:`Entry` each (a warm batch's cache names)."""
+        keys, versions, labels = self._keys, self._versions, self._labels
+        return [
+            (self.url(keys[i]), versions[i], None if labels is None else int(labels[i]))
+            for i in indices
+        ]
+
     def __iter__(self) -> Iterator[Entry]:
         return (self[i] for i in range(len(self)))
 
