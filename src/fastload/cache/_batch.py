@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from crc32c import crc32c
 
 from fastload.cache._tree import Leaf
 
@@ -41,6 +42,18 @@ class Split:
     @property
     def spans(self) -> Spans:
         return self.group.spans
+
+    @property
+    def length(self) -> int:
+        return self.group.length
+
+    def crc(self) -> int:
+        """The CRC32C of all the entry's bytes but its last four."""
+        *pieces, end = self.pieces()
+        crc = 0
+        for piece in pieces:
+            crc = crc32c(piece, crc)
+        return crc32c(end[:-4], crc)
 
     def pieces(self) -> list[memoryview]:
         return self.group.pieces(self.row)
@@ -97,7 +110,7 @@ class _Alike:
     def __init__(self, count: int, length: int, spans: Spans) -> None:
         self.arrays = [_BATCHES.take((count, size)) for _, size in spans]
         self.batches = [torch.from_numpy(array) for array in self.arrays]
-        self.spans = spans
+        self.spans, self.length = spans, length
         self._flat = [array.reshape(-1).data for array in self.arrays]
         ends = [0] + [start + size for start, size in spans]
         self._around = [start - end for (start, _), end in zip(spans, ends, strict=False)]

@@ -142,16 +142,6 @@ def _undecodable(exc: Exception, where: str | Path) -> CorruptEntryError:
     return CorruptEntryError(f"cache entry does not decode ({type(exc).__name__}): {where}")
 
 
-def _checksum(buffer: Split) -> tuple[int, int]:
-    """The entry's length, and the CRC32C of all its bytes but the last four."""
-    *pieces, end = buffer.pieces()
-    crc = size = 0
-    for piece in pieces:
-        crc = crc32c(piece, crc)
-        size += len(piece)
-    return size + len(end), crc32c(end[:-4], crc)
-
-
 def _spans(sizes: list[int], position: int, end: int, small: int = 16) -> Spans:
     """Where blobs of ``sizes`` lie when the first may start at ``position`` and the last
     ends at ``end``; ValueError when they do not add up to that."""
@@ -258,13 +248,12 @@ class FileFormat(Format):
         position = _HEAD.size + length + CHECK_BYTES
         if structure is None or magic != _MAGIC or position > len(head):
             return self.decode(split.whole(), where, structure)
-        size, crc = _checksum(split)
-        if crc != int.from_bytes(split.tail()[-4:], "little"):
+        if split.crc() != int.from_bytes(split.tail()[-4:], "little"):
             raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         try:
             scalars, leaf_values = _values(bytes(head[_HEAD.size : _HEAD.size + length]))
             kinds = structure["kinds"]
-            spans = _spans(self._sizes(kinds, leaf_values), position, size - _TAIL.size)
+            spans = _spans(self._sizes(kinds, leaf_values), position, split.length - _TAIL.size)
             if spans != split.spans:
                 return self.decode(split.whole(), where, structure)
             blobs = [split.blob(j, kind) for j, kind in enumerate(kinds)]
