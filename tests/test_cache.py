@@ -240,6 +240,16 @@ def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
     assert cache.counters.repairs == 1 and "x" not in cache
 
 
+def test_a_cache_another_process_is_making_is_opened_not_refused(tmp_path: Path) -> None:
+    """Processes opening one new cache at once: one has written the tag (and is writing the
+    marker) when another looks; that directory is a cache being made, not a foreign one."""
+    (tmp_path / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    (tmp_path / "fastload-cache.json.4242.tmp").write_text("")
+    cache = Cache(tmp_path, format="npy")
+    cache.put("s3://b/k", np.arange(3))
+    assert np.array_equal(cache.get("s3://b/k"), np.arange(3))
+
+
 def test_a_folder_that_is_not_a_cache_is_refused(tmp_path: Path) -> None:
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "thesis.tex").write_text("precious")

@@ -226,7 +226,7 @@ class Cache:
         try:
             private_dirs(self.root)
             if not marker.exists():
-                if any(self.root.iterdir()):
+                if not all(_being_made(name) for name in os.listdir(self.root)):
                     raise CacheError(
                         f"{self.root} is not empty and is not a fastload cache; "
                         "choose a new or empty directory"
@@ -951,6 +951,12 @@ def _remove(path: str | Path) -> int:
     except FileNotFoundError:
         return 0
     return size
+
+
+def _being_made(name: str) -> bool:
+    """Whether a file of a cache directory's root is one another process writes first when it
+    makes the cache (before the marker): its tag, or the tag's or the marker's temporary file."""
+    return name == "CACHEDIR.TAG" or name.startswith(("CACHEDIR.TAG.", f"{_MARKER}."))
 
 
 def _atomic_text(path: Path, text: str) -> None:
