@@ -210,7 +210,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     ] = None,
     label_key: Annotated[str, typer.Option(help="The labels file's key column.")] = "key",
     label_field: Annotated[str, typer.Option(help="The labels file's label column.")] = "label",
-    format: Annotated[str, typer.Option("--format", help="pt, npy or zarr.")] = "pt",
+    format: Annotated[str, typer.Option("--format", help="npy, pt or zarr.")] = "npy",
     decode: Annotated[
         str | None,
         typer.Option(

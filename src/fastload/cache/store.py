@@ -137,9 +137,9 @@ _UNRECORDED_BYTES = _Unrecorded()
 class Cache:
     """Preprocessed samples on local disk, shared safely by every process on the node.
 
-    ``format``: ``"pt"`` (torch.save, loaded with ``weights_only=True``), ``"npy"`` (raw
-    array buffers, the fastest) or ``"zarr"`` (chunked and compressed; crops read only what
-    they touch, see :meth:`open`). ``max_bytes`` bounds this format's entries; the least
+    ``format``: ``"npy"`` (raw array buffers, the fastest; the default), ``"pt"`` (torch.save,
+    loaded with ``weights_only=True``) or ``"zarr"`` (chunked and compressed; crops read only
+    what they touch, see :meth:`open`). ``max_bytes`` bounds this format's entries; the least
     recently used are evicted past it (reads are recorded only while a budget is set: entries
     read while there was none are ordered by when they were written). The budget is the
     directory's: it is recorded there, a Cache opened without ``max_bytes`` keeps to the
@@ -159,7 +159,7 @@ class Cache:
         self,
         root: str | os.PathLike[str],
         *,
-        format: CacheFormat = "pt",
+        format: CacheFormat = "npy",
         max_bytes: int | None = None,
         read_only: bool | None = None,
     ) -> None:
@@ -573,7 +573,7 @@ class Cache:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
         try:
             todo = []
-            positions = list(locked)  # done between our read and our lock?
+            positions = sorted(locked)  # in the caller's order; done between read and lock?
             again = self._load_all([digests[i] for i in positions], held=True)
             for i, value in zip(positions, again, strict=True):
                 out[i] = value
