@@ -103,6 +103,25 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
             fetcher.fetch([Request(url, size=len(body))])
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_bodies_are_bytes_unless_buffers_are_asked_for(
+    seaweed: S3Server, objects: dict[str, bytes], fast_path: bool
+) -> None:
+    """Users get ``bytes``; the shard readers ask for obstore's own buffer (no copy of a
+    15 MB chunk), which stays valid after the fetcher is gone."""
+    urls = sorted(objects)[:4]
+    fetcher = Fetcher(seaweed.storage_options(), FetchConfig(fast_path=fast_path))
+    sized = [Request(u, size=len(objects[u])) for u in urls]  # known length: read whole
+    bodies = fetcher.fetch([*urls, *sized, Request(urls[0], 10, 20, size=len(objects[urls[0]]))])
+    assert [type(b) for b in bodies] == [bytes] * 9
+    assert bodies == [*(objects[u] for u in urls * 2), objects[urls[0]][10:20]]
+    views = fetcher.fetch(sized, buffers=True)
+    del fetcher
+    assert [bytes(v) for v in views] == [objects[u] for u in urls]
+    if fast_path:  # obstore's buffers, read-only (a body of known length comes whole)
+        assert all(isinstance(v, memoryview) and v.readonly for v in views)
+
+
 def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"12345")

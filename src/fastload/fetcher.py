@@ -128,12 +128,18 @@ class Fetcher:
         return self.counters.snapshot()
 
     def fetch(
-        self, items: Sequence[str | Request], *, return_exceptions: bool = False
+        self,
+        items: Sequence[str | Request],
+        *,
+        return_exceptions: bool = False,
+        buffers: bool = False,
     ) -> list[Any]:
-        """The bodies of ``items`` in order.
+        """The bodies of ``items`` in order, as ``bytes``.
 
         With ``return_exceptions=True`` a failed item's slot holds its :class:`StoreError`
-        instead of raising the first failure.
+        instead of raising the first failure. With ``buffers=True`` a body may be a read-only
+        ``memoryview`` of the store client's own buffer instead: no copy (a 15 MB body's copy
+        cost 6.6 ms of held GIL here).
         """
         requests = [_as_request(item) for item in items]
         if not requests:
@@ -142,7 +148,9 @@ class Fetcher:
         targets = [self._target(r, stores) for r in requests]
         loop = fsspec.asyn.get_loop()  # the IO loop s3fs and gcsfs run on by default
         results: list[Any] = fsspec.asyn.sync(loop, self._run, requests, targets, return_exceptions)
-        return results
+        if buffers:
+            return results
+        return [bytes(r) if isinstance(r, memoryview) else r for r in results]
 
     def _target(self, request: Request, stores: dict[str, Store]) -> _Target:
         """Where ``request`` goes; ``stores`` memoizes the stores per scheme."""
@@ -164,7 +172,7 @@ class Fetcher:
     ) -> list[Any]:
         gate = asyncio.Semaphore(self.config.concurrency)
 
-        async def bounded(request: Request, target: _Target) -> bytes:
+        async def bounded(request: Request, target: _Target) -> bytes | memoryview:
             async with gate:
                 return await self._fetch_one(request, target)
 
@@ -177,7 +185,7 @@ class Fetcher:
             for task in tasks:
                 task.cancel()
 
-    async def _fetch_one(self, request: Request, target: _Target) -> bytes:
+    async def _fetch_one(self, request: Request, target: _Target) -> bytes | memoryview:
         url = request.url
         if self._in_quarantine(url):
             self.counters.failures += 1
@@ -262,16 +270,18 @@ class Fetcher:
 
         return give_up
 
-    async def _hedged(self, call: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def _hedged(
+        self, call: Callable[[], Awaitable[bytes | memoryview]]
+    ) -> bytes | memoryview:
         if self.config.hedge_after is None:
             return await call()
-        first: asyncio.Future[bytes] = asyncio.ensure_future(call())
+        first: asyncio.Future[bytes | memoryview] = asyncio.ensure_future(call())
         finished, _ = await asyncio.wait({first}, timeout=self.config.hedge_after)
         if finished:
             return first.result()
         self.counters.hedges += 1
-        second: asyncio.Future[bytes] = asyncio.ensure_future(call())
-        pending: set[asyncio.Future[bytes]] = {first, second}
+        second: asyncio.Future[bytes | memoryview] = asyncio.ensure_future(call())
+        pending: set[asyncio.Future[bytes | memoryview]] = {first, second}
         error: BaseException | None = None
         try:
             while pending:
@@ -287,7 +297,7 @@ class Fetcher:
         assert error is not None
         raise error
 
-    async def _attempt(self, request: Request, target: _Target) -> bytes:
+    async def _attempt(self, request: Request, target: _Target) -> bytes | memoryview:
         if target.span.empty:
             return b""  # stores disagree on empty ranges; the answer is known
         self.counters.requests += 1

@@ -118,7 +118,7 @@ class ChunkReader:
     def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         requests = [Request(c.url, c.start, c.end, size=c.size, version=c.version) for c in chunks]
         self.reads += len(chunks)
-        return fetcher.fetch(requests, return_exceptions=True)
+        return fetcher.fetch(requests, return_exceptions=True, buffers=True)
 
     def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""

@@ -65,7 +65,7 @@ class Shards:
         self.shards: list[Entry] = []
         # bytes that indexing read from the start of a shard, by URL: they seed the chunk
         # memory, so a shard of small members (read whole to be indexed) is not read again
-        self._seeds: dict[str, bytes] = {}
+        self._seeds: dict[str, bytes | memoryview] = {}
         self._seed_limit = self.config.memory_bytes // max(1, len(found))
         self._chunks: list[Chunk] = []
         self._chunk_shard: list[int] = []

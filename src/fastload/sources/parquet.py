@@ -170,7 +170,7 @@ class ParquetShards(Shards):
 
     def _load(self, chunk: Chunk, body: bytes | memoryview) -> _RowGroup:
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
-        parts = {chunk.start: bytes(body)}  # bytes already (only tar chunks are seeded): no copy
+        parts = {chunk.start: bytes(body)}  # pyarrow reads bytes: obstore's buffer is copied
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         table = file.read_row_groups(self._groups[chunk.index])
         columns = {

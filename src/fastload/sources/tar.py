@@ -133,7 +133,9 @@ class TarShards(Shards):
         return out
 
 
-def _read_headers(shard: Entry, fetcher: Fetcher, keep: int) -> tuple[dict[str, np.ndarray], bytes]:
+def _read_headers(
+    shard: Entry, fetcher: Fetcher, keep: int
+) -> tuple[dict[str, np.ndarray], bytes | memoryview]:
     """The regular members of one tar shard (name, header and data offsets, size, header crc),
     and the bytes read from its start on, up to ``keep`` of them."""
     file = _RangedFile(shard, fetcher, keep)
@@ -171,7 +173,7 @@ def _read_headers(shard: Entry, fetcher: Fetcher, keep: int) -> tuple[dict[str, 
         "size": np.asarray(size, np.int64),
         "crc": np.asarray(crc, np.int64),
     }
-    return index, b"".join(file.pieces)
+    return index, file.pieces[0] if len(file.pieces) == 1 else b"".join(file.pieces)
 
 
 class _RangedFile:
@@ -184,11 +186,12 @@ class _RangedFile:
     def __init__(self, shard: Entry, fetcher: Fetcher, keep: int = 0) -> None:
         self.shard, self.fetcher = shard, fetcher
         self.keep = keep
-        self.pieces: list[bytes] = []  # the windows read from byte 0 on, back to back
+        self.pieces: list[bytes | memoryview] = []  # the windows read from byte 0 on, in turn
         self.kept = 0
         self.position = 0
         self.window = 1 << 20
-        self.buffer, self.buffer_start = b"", 0
+        self.buffer: bytes | memoryview = b""
+        self.buffer_start = 0
         self.requests = 0
 
     def tell(self) -> int:
@@ -217,7 +220,7 @@ class _RangedFile:
                 self.window = min(self.window, _MAX_WINDOW)
             start = buffer_end if buffer_end <= offset <= buffer_end + _GAP else offset
             stop = min(max(end, start + self.window), self.shard.size)
-            (self.buffer,) = self.fetcher.fetch([self.shard.request(start, stop)])
+            (self.buffer,) = self.fetcher.fetch([self.shard.request(start, stop)], buffers=True)
             self.buffer_start = start
             self.requests += 1
             if start == self.kept and self.kept + len(self.buffer) <= self.keep:
@@ -226,4 +229,4 @@ class _RangedFile:
             else:
                 self.keep = 0  # a hop: what follows is not contiguous
         at = offset - self.buffer_start
-        return self.buffer[at : at + end - offset]
+        return bytes(self.buffer[at : at + end - offset])  # headers: small

@@ -126,9 +126,11 @@ class Patience:
 
 @dataclass(frozen=True)
 class Body:
-    """The bytes read, and the versions the store named for them (``()``: it named none)."""
+    """The bytes read, and the versions the store named for them (``()``: it named none).
+    ``data`` is a read-only memoryview where the client hands out its own buffer (obstore):
+    :meth:`fastload.Fetcher.fetch` copies it only for callers that want ``bytes``."""
 
-    data: bytes
+    data: bytes | memoryview
     served: tuple[str, ...] = ()
 
 

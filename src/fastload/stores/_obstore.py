@@ -166,8 +166,9 @@ class ObstoreStore:
         timeout = patience.timeout
         obstore = _obstore()
         result = await asyncio.wait_for(obstore.get_async(store, url.key, options=options), timeout)
-        if patience.whole:
-            data = bytes(await asyncio.wait_for(result.bytes_async(), timeout))
+        data: bytes | memoryview
+        if patience.whole:  # obstore's own buffer, not copied (Fetcher.fetch copies if asked)
+            data = memoryview(await asyncio.wait_for(result.bytes_async(), timeout))
         else:
             stream = result.stream(min_chunk_size=patience.chunk)
             data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))

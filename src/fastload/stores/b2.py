@@ -258,7 +258,7 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
-        return self.read_body(path, start, end).data
+        return bytes(self.read_body(path, start, end).data)  # bytes already: no copy
 
     async def read_async(self, path: str, span: ByteRange, patience: Patience) -> Body:
         """The bytes ``span`` by one GET on the running event loop (see
