@@ -2,9 +2,11 @@
 
 Epochs: N x 150 KB float32 arrays (.npy objects) on a loopback SeaweedFS behind the proxy adding
 20 ms per request; torch DataLoader, batch 32.
-- cold: fastload's first epoch (fetch + decode + cache write) at batch 32 and 256 in the main
-  process and with 2 workers (their start-up included), against the raw concurrent-fetch
-  ceiling measured just before it (fastload.fetch, 64 in flight, the same objects);
+- cold: fastload's first epoch (fetch + decode + cache write) through torch's DataLoader at
+  batch 32 and 256 in the main process and with 2 workers (their start-up included), and
+  through ``fastload.DataLoader`` at its defaults (lookahead, background thread; 0 workers on
+  2 cores), against the raw concurrent-fetch ceiling measured just before it (fastload.fetch,
+  64 in flight, the same objects);
 - warm: later epochs served from the cache (formats npy and pt), against a bare loop reading
   the same arrays from local .npy files (np.load, stack by 32). The peer loaders are in
   ``benchmarks.peers``.
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+import fastload
 from fastload import Cache, FetchConfig, Fetcher, Manifest, RemoteDataset, versioned
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, SeaweedS3Server
@@ -118,20 +121,30 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
                 "samples/s (median)": ceiling,
             }
         )
-        for workers, batch in ((0, BATCH), (0, 256), (2, BATCH)):
+        colds = (
+            ("torch", 0, BATCH),
+            ("torch", 0, 256),
+            ("torch", 2, BATCH),
+            ("fastload", 0, BATCH),
+        )
+        for kind, workers, batch in colds:
             cold: list[float] = []
             for repeat in range(repeats):
-                progress(f"cache/epochs: cold, {workers} workers, batch {batch} ({repeat + 1})")
-                cache = Cache(workdir / f"cold-{workers}-{batch}-{repeat}", format="npy")
+                progress(f"cache/epochs: cold, {kind}, {workers} workers, batch {batch}")
+                cache = Cache(workdir / f"cold-{kind}-{workers}-{batch}-{repeat}")
                 dataset = RemoteDataset(
                     manifest, decode="npy", cache=cache, storage_options=options
                 )
-                loader = DataLoader(dataset, batch_size=batch, num_workers=workers)
+                loader = (
+                    fastload.DataLoader(dataset, batch_size=batch, num_workers=workers)
+                    if kind == "fastload"
+                    else DataLoader(dataset, batch_size=batch, num_workers=workers)
+                )
                 cold.append(_rate(_epoch(loader)))
             rows.append(
                 {
-                    "reader": f"fastload cold epoch (npy cache filling), {workers} workers, "
-                    f"batch {batch}",
+                    "reader": f"fastload cold epoch (npy cache filling), {kind} DataLoader, "
+                    f"{workers} workers, batch {batch}",
                     "samples/s (median)": statistics.median(cold),
                     "vs ceiling": statistics.median(cold) / ceiling,
                 }

@@ -61,6 +61,7 @@ def test_epoch_benchmark_compares_every_reader() -> None:
     rows = cache.epoch_rows(64, 1, progress=lambda _: None)
     readers = [row["reader"] for row in rows]
     assert any("bare loop" in r for r in readers)
+    assert any("cold" in r and "fastload DataLoader" in r for r in readers)  # the defaults' path
     assert all(row["samples/s (median)"] > 0 for row in rows)
     assert all(row["vs ceiling"] > 0 for row in rows if "cold" in row["reader"])
 
