@@ -91,6 +91,9 @@ class _Batched(Dataset[Any]):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        lookahead = getattr(indices[0], "lookahead", None) if len(indices) else None
+        if lookahead and self.cache is not None:  # a worker's batch from fastload.DataLoader
+            self.prefetch(lookahead)  # (its loader._Ahead): cache a batch further on
         positions = [self._index(i) for i in indices]
         items = self._items(positions)
         if any(isinstance(item, BaseException) for item in items):
