@@ -30,6 +30,7 @@ import resource
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -107,6 +108,39 @@ def _bare_loop(folder: Path, n: int) -> Callable[[], int]:
     return run
 
 
+@versioned(1)
+def denoise(x: np.ndarray) -> np.ndarray:
+    """A preprocessing step of about 2.3 ms of CPU for a 150 KB sample here: quantile
+    normalisation, then a 3-tap median filter along rows (numpy, partly outside the GIL)."""
+    lo, hi = np.quantile(x, [0.01, 0.99])
+    y = np.clip((x - lo) / (hi - lo), 0, 1)
+    filtered: np.ndarray = np.median(np.stack([y[:, :-2], y[:, 1:-1], y[:, 2:]]), axis=0)
+    return filtered.astype(np.float32)
+
+
+def _cold_epoch(
+    folder: Path,
+    manifest: Manifest,
+    options: dict[str, Any],
+    kind: str,
+    workers: int,
+    batch: int,
+    transform: Callable[[Any], Any] | None,
+) -> float:
+    """Samples/s of one epoch filling a new cache, through torch's or fastload's DataLoader."""
+    dataset = RemoteDataset(
+        manifest, decode="npy", transform=transform, cache=Cache(folder), storage_options=options
+    )
+    with warnings.catch_warnings():  # more workers than cores: on purpose, to see the cost
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        loader = (
+            fastload.DataLoader(dataset, batch_size=batch, num_workers=workers)
+            if kind == "fastload"
+            else DataLoader(dataset, batch_size=batch, num_workers=workers)
+        )
+        return _rate(_epoch(loader))
+
+
 def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with remote_arrays("epochs", n) as (workdir, options, manifest):
@@ -121,30 +155,24 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
                 "samples/s (median)": ceiling,
             }
         )
-        colds = (
-            ("torch", 0, BATCH),
-            ("torch", 0, 256),
-            ("torch", 2, BATCH),
-            ("fastload", 0, BATCH),
-        )
-        for kind, workers, batch in colds:
+        colds: list[tuple[str, int, int, Callable[[Any], Any] | None]] = [
+            ("torch", 0, BATCH, None),
+            ("torch", 0, 256, None),
+            ("torch", 2, BATCH, None),
+            *(("fastload", workers, BATCH, None) for workers in (0,)),
+            *(("fastload", workers, BATCH, denoise) for workers in (0, 2, 4)),
+        ]
+        for kind, workers, batch, transform in colds:
             cold: list[float] = []
             for repeat in range(repeats):
                 progress(f"cache/epochs: cold, {kind}, {workers} workers, batch {batch}")
-                cache = Cache(workdir / f"cold-{kind}-{workers}-{batch}-{repeat}")
-                dataset = RemoteDataset(
-                    manifest, decode="npy", cache=cache, storage_options=options
-                )
-                loader = (
-                    fastload.DataLoader(dataset, batch_size=batch, num_workers=workers)
-                    if kind == "fastload"
-                    else DataLoader(dataset, batch_size=batch, num_workers=workers)
-                )
-                cold.append(_rate(_epoch(loader)))
+                folder = workdir / f"cold-{len(rows)}-{repeat}"
+                cold.append(_cold_epoch(folder, manifest, options, kind, workers, batch, transform))
+            step = ", ~2 ms preprocessing" if transform else ""
             rows.append(
                 {
                     "reader": f"fastload cold epoch (npy cache filling), {kind} DataLoader, "
-                    f"{workers} workers, batch {batch}",
+                    f"{workers} workers, batch {batch}{step}",
                     "samples/s (median)": statistics.median(cold),
                     "vs ceiling": statistics.median(cold) / ceiling,
                 }
