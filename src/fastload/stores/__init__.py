@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -141,11 +142,13 @@ def open_store(
     where obstore is installed and the options suit it), gcsfs's session for ``gs://``, B2's
     downloads and pages for ``b2://``, else the filesystem itself (``threads`` wide when it
     blocks)."""
+    if url.scheme == "s3" and fast_path:
+        options = dict(storage_options or {})
+        general = partial(_s3fs_store, url, options, threads)
+        return ObstoreStore(general, options, _options_key(options))
     fs = filesystem(url, storage_options)
     if url.scheme == "s3":
-        options = dict(storage_options or {})
-        s3 = S3Store(fs, threads)
-        return ObstoreStore(s3, options, _options_key(options)) if fast_path else s3
+        return S3Store(fs, threads)
     if url.scheme in ("gs", "gcs"):
         return GcsStore(fs, threads)
     if url.scheme == "b2":
@@ -153,6 +156,10 @@ def open_store(
 
         return B2Store(fs, threads)
     return FsspecStore(fs, threads)
+
+
+def _s3fs_store(url: StoreURL, options: dict[str, Any], threads: int) -> S3Store:
+    return S3Store(filesystem(url, options), threads)
 
 
 def _create(scheme: str, options: dict[str, Any]) -> AbstractFileSystem:
