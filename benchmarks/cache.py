@@ -159,7 +159,7 @@ def epoch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
             ("torch", 0, BATCH, None),
             ("torch", 0, 256, None),
             ("torch", 2, BATCH, None),
-            *(("fastload", workers, BATCH, None) for workers in (0,)),
+            ("fastload", 0, BATCH, None),
             *(("fastload", workers, BATCH, denoise) for workers in (0, 2, 4)),
         ]
         for kind, workers, batch, transform in colds:

@@ -415,12 +415,7 @@ class RemoteDataset(_Batched):
         made = cache.get_many(
             names, lambda positions: self._produce([self._sample(indices[p]) for p in positions])
         )
-        if not self._labelled:
-            return made
-        return [
-            m if isinstance(m, BaseException) else (m, label)
-            for m, (_, _, label) in zip(made, found, strict=True)
-        ]
+        return self._with_labels(made, [label for _, _, label in found])
 
     def _sample(self, index: int) -> Sample:
         return self._fresh.get(index) or self.source[index]
@@ -452,11 +447,15 @@ class RemoteDataset(_Batched):
         made = self._made(samples)
         if self.on_change == "refresh":
             made = self._refreshed(samples, made)
+        return self._with_labels(made, [s.label for s in samples])
+
+    def _with_labels(self, made: list[Any], labels: list[int | None]) -> list[Any]:
+        """``(sample, label)`` pairs when the dataset has labels; failures stay as they are."""
         if not self._labelled:
             return made
         return [
-            m if isinstance(m, BaseException) else (m, s.label)
-            for m, s in zip(made, samples, strict=True)
+            m if isinstance(m, BaseException) else (m, label)
+            for m, label in zip(made, labels, strict=True)
         ]
 
     def _made(self, samples: list[Sample]) -> list[Any]:

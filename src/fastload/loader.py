@@ -610,16 +610,6 @@ class _Pass:
         if len(self.started) > self.depth + 1:
             self.started.popleft()
 
-    def _handing(self, item: Any, whole: bool) -> Any:
-        """``item`` (a batch if ``whole``, else its first index) carrying the newest batch."""
-        newest = self.newest
-        if newest is None or (whole and not len(item)):
-            return item
-        self.newest = None
-        if whole:
-            return [_Ahead(item[0], newest), *item[1:]]
-        return _Ahead(item, newest)
-
     def run(self, items: Iterator[Any], group: int) -> Iterator[Any]:
         window = (self.depth + self.handed) * max(group, 1)
         ahead: deque[Any] = deque()
@@ -647,8 +637,14 @@ class _Pass:
             self.close()
 
     def _given(self, item: Any, given: int, group: int) -> Any:
-        first = not group or given % group == 0
-        return self._handing(item, whole=not group) if self.handed and first else item
+        """``item`` (the ``given``-th index, or a batch if ``group`` is 0), carrying the newest
+        batch to cache when it starts a batch and one is waiting (workers only)."""
+        newest = self.newest  # only ever set with workers
+        inside = given % group if group else not len(item)  # not a batch's first index
+        if newest is None or inside:
+            return item
+        self.newest = None
+        return _Ahead(item, newest) if group else [_Ahead(item[0], newest), *item[1:]]
 
     def close(self) -> None:
         """Cancel the prefetches not started; wait for those running (none outlives a pass)."""
