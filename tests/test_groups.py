@@ -17,7 +17,7 @@ import torch
 import fastload
 from fastload import Cache, ConfigError, ObjectNotFoundError, RemoteDataset
 from fastload.stores import filesystem
-from fastload.testing import B2Server, FakeGcsServer, S3Server
+from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
 from tests.conftest import BUCKET, write
 
@@ -84,6 +84,40 @@ def test_channels_of_a_field_are_one_sample(
     requests = dataset.fetcher.counters.requests
     assert sum(len(b) for b in loader) == len(FIELDS)  # a warm epoch: all from the cache
     assert dataset.fetcher.counters.requests == requests
+
+
+def stacked(sample: dict[str, np.ndarray]) -> np.ndarray:
+    """A field's channels as one array, channel first (a module-level transform: it pickles)."""
+    return np.stack([sample[name][..., 0] for name in sorted(sample)])
+
+
+def test_groups_with_workers_the_workers_cache_ahead_themselves(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    """With a cache and workers, the lookahead of grouped samples runs in the workers: the main
+    process fetches no member, every field is cached once, and batches read fields made ahead."""
+    root = f"s3://{BUCKET}/groups-ahead-{uuid.uuid4().hex[:8]}"
+    cell_painting(root, seaweed.storage_options())
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
+        dataset = RemoteDataset(
+            root,
+            group_by=CHANNEL_RE,
+            decode="tiff",
+            transform=stacked,
+            cache=Cache(tmp_path, format="npy"),
+            storage_options=seaweed.storage_options(proxy.endpoint),
+        )
+        loader = fastload.DataLoader(
+            dataset, batch_size=2, shuffle=True, num_workers=2, prefetch_factor=1
+        )
+        firsts = sorted(int(b[i, 0, 0, 0]) for b in loader for i in range(len(b)))
+    assert firsts == sorted(int(channel(field, 1)[0, 0]) for field in FIELDS)
+    assert dataset.counters.fetch.objects == 0 and dataset.counters.cache.writes == 0
+    assert len(Cache(tmp_path, format="npy")) == len(FIELDS)
+    total = loader.counters
+    assert total is not None  # short, never over: see the single-object test in test_loader
+    assert 0 < total.fetch.objects <= len(FIELDS) * CHANNELS
+    assert total.cache.hits + total.cache.waits >= 2
 
 
 def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> None:

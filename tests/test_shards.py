@@ -18,7 +18,7 @@ import pytest
 import fastload
 from fastload import Cache, ChunkConfig, ConfigError, ObjectChangedError, RemoteDataset, ShardError
 from fastload.sampler import PermutationSampler, block_locality
-from fastload.testing import B2Server, FakeGcsServer, S3Server
+from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET, write
 
 SHARDS, PER_SHARD = 4, 25
@@ -139,6 +139,44 @@ def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> N
     resumed.load_state_dict(state)
     rest = numbers(resumed)
     assert sorted(seen + rest) == list(range(SHARDS * PER_SHARD))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tar_shards_with_workers_the_workers_cache_ahead_themselves(
+    seaweed: S3Server, tmp_path: Any, workers: int
+) -> None:
+    """With a cache, a shard dataset's lookahead runs in the workers as it does for single
+    objects: the main process reads no chunk and writes no entry after indexing; the workers
+    read each chunk once and write each sample once, some of them ahead of their batch."""
+    root = f"s3://{BUCKET}/shards-ahead-{uuid.uuid4().hex[:8]}"
+    tar_dataset(root, seaweed.storage_options())
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
+        dataset = RemoteDataset(
+            f"{root}/train",
+            shards="tar",
+            decode=DECODE,
+            transform=lambda sample: sample["npy"],
+            chunks=ChunkConfig(chunk_bytes=150_000),
+            cache=Cache(tmp_path, format="npy"),
+            storage_options=seaweed.storage_options(proxy.endpoint),
+        )
+        indexed = dataset.counters.drain()
+        assert indexed.fetch.requests >= SHARDS  # the headers, read here
+        loader = fastload.DataLoader(
+            dataset, batch_size=5, shuffle=True, num_workers=workers, prefetch_factor=1
+        )
+        values = sorted(int(b[i, 0, 0]) - 40_000 for b in loader for i in range(len(b)))
+    assert values == list(range(SHARDS * PER_SHARD))
+    assert dataset.counters.fetch.requests == 0 and dataset.counters.cache.writes == 0
+    assert len(Cache(tmp_path, format="npy")) == SHARDS * PER_SHARD + SHARDS  # and the indexes
+    total = loader.counters
+    assert total is not None and dataset.blocks is not None
+    # chunks the index pass read are not read again; a worker's last lookahead may report
+    # after its last batch: short, never over
+    unseeded = len(dataset.blocks) - dataset.source.reader.seeded  # type: ignore[attr-defined]
+    assert total.fetch.requests <= unseeded
+    assert 0 < total.cache.writes <= SHARDS * PER_SHARD
+    assert total.cache.hits + total.cache.waits >= 5  # batches read what a lookahead made
 
 
 def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture) -> None:
