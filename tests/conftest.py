@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fastload import RemoteDataset
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, MotoS3Server, SeaweedS3Server
 
@@ -64,3 +65,10 @@ def write(root: str, options: dict[str, Any], objects: dict[str, bytes]) -> None
     fs = filesystem(root, options)
     base = fs._strip_protocol(root)
     fs.pipe({f"{base}/{key}": body for key, body in objects.items()})
+
+
+def assert_identities(dataset: RemoteDataset, indices: list[int]) -> None:
+    """A source names its samples for the cache as its samples name themselves."""
+    samples = [dataset.source[i] for i in indices]
+    expected = [(s.url, s.version, s.label) for s in samples]
+    assert dataset.source.identities(indices) == expected

@@ -26,7 +26,7 @@ from fastload import (
 )
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, S3Server
-from tests.conftest import BUCKET
+from tests.conftest import BUCKET, assert_identities
 
 
 def npy(value: np.ndarray) -> bytes:
@@ -197,6 +197,7 @@ def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> 
     sample, label = dataset[3]
     assert value_of(sample) == 3 and dataset.manifest.classes is not None
     assert dataset.manifest.classes[label] == "odd"
+    assert_identities(dataset, [3, 0, 4])
     _, targets = next(iter(DataLoader(dataset, batch_size=5)))
     assert targets.tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(IndexError, match="out of range for 5"):

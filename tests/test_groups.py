@@ -19,7 +19,7 @@ from fastload import Cache, ConfigError, ObjectNotFoundError, RemoteDataset
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
-from tests.conftest import BUCKET, write
+from tests.conftest import BUCKET, assert_identities, write
 
 CHANNELS = 5
 FIELDS = [f"plate1/{well}/f{f}" for well in ("A01", "A02", "B01") for f in range(1, 5)]
@@ -72,6 +72,7 @@ def test_channels_of_a_field_are_one_sample(
         got = sample[f"{field}_ch{c}.tiff"]
         assert got.dtype == np.uint16 and np.array_equal(got[..., 0], channel(field, c))
     assert label == 1  # A02
+    assert_identities(dataset, [5, 0, len(FIELDS) - 1])
     # a batch fetches all members of all its samples at once, then never again
     before = dataset.fetcher.counters.objects
     batch = dataset.__getitems__([0, 1, 2, 3])

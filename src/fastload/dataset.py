@@ -403,14 +403,14 @@ class RemoteDataset(_Batched):
 
     def _items(self, indices: list[int]) -> list[Any]:
         cache = self.cache
-        if cache is not None and self.on_change != "refresh" and type(self.source) is SingleObjects:
-            return self._objects(indices, cache)
+        if cache is not None and self.on_change != "refresh":
+            return self._cached(indices, cache)
         return self._samples([self._sample(i) for i in indices])
 
-    def _objects(self, indices: list[int], cache: Cache) -> list[Any]:
-        """:meth:`_samples` of single objects through the cache, with no :class:`Sample` made
-        for a sample the cache holds (they cost a warm batch about a tenth of its CPU)."""
-        found = self.manifest.identities(indices)
+    def _cached(self, indices: list[int], cache: Cache) -> list[Any]:
+        """:meth:`_samples` through the cache, with no :class:`Sample` made for a sample the
+        cache holds (they cost a warm batch about a tenth of its CPU)."""
+        found = self.source.identities(indices)
         names = [Cache.name(url, version, self.fingerprint) for url, version, _ in found]
         made = cache.get_many(
             names, lambda positions: self._produce([self._sample(indices[p]) for p in positions])

@@ -11,9 +11,11 @@ report live in :class:`fastload.RemoteDataset` and work the same for every sourc
 - :class:`~fastload.sources.tar.TarShards` and :class:`~fastload.sources.parquet.ParquetShards`:
   many samples in one object, read in place by byte range (see :mod:`fastload.sources._chunks`).
 
-A source also says how its samples are read (:meth:`SampleSource.read`): whole objects, all at
-once (:func:`read_objects`), or chunks of shards. A source with chunks names them as
-``blocks`` (the index of each chunk's first sample), which shard-aware shuffling follows.
+A source names samples cheaply too (:meth:`SampleSource.identities`: all a warm batch needs
+to find them in the cache). It also says how its samples are read (:meth:`SampleSource.read`):
+whole objects, all at once (:func:`read_objects`), or chunks of shards. A source with chunks
+names them as ``blocks`` (the index of each chunk's first sample), which shard-aware shuffling
+follows.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class SampleSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Sample: ...
+
+    def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
+        """The URL, version and label of the samples at ``indices``, as ``self[i]`` has them,
+        without a :class:`Sample` each (a warm batch needs only their cache names)."""
 
     @property
     def blocks(self) -> np.ndarray | None:

@@ -164,6 +164,13 @@ class Shards:
         part = Part(entry.key, entry.url, nbytes, entry.version)
         return Sample(name, f"{entry.url}#{name}", entry.version, (part,), index=index)
 
+    def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
+        out: list[tuple[str, str, int | None]] = []
+        for index in indices:
+            entry = self.shards[self._chunk_shard[self._chunk_of(index)]]
+            out.append((f"{entry.url}#{self._name(index)}", entry.version, None))
+        return out
+
     def _samples_in(self, chunk: int) -> int:
         stop = self._firsts[chunk + 1] if chunk + 1 < len(self._firsts) else self._count
         return stop - self._firsts[chunk]

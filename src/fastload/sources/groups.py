@@ -84,6 +84,9 @@ class Groups:
         label = None if self._labels is None else self._labels[index]
         return Sample(name, f"{self.root}/{name}", group_version(parts), parts, label, index)
 
+    def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
+        return [(s.url, s.version, s.label) for s in map(self.__getitem__, indices)]
+
     blocks = None
 
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:

@@ -28,6 +28,9 @@ class SingleObjects:
         part = Part(e.key, e.url, e.size, e.version)
         return Sample(e.key, e.url, e.version, (part,), e.label, index)
 
+    def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
+        return self.manifest.identities(indices)
+
     blocks = None
 
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
