@@ -364,7 +364,8 @@ class _WorkerInit:
 
 
 def _fork_safe_context(*parts: object) -> Any:
-    """forkserver where it works as a drop-in, else None (torch's default, fork).
+    """forkserver where it works as a drop-in, else None (multiprocessing's default: fork on
+    Linux, unless the program chose another with ``multiprocessing.set_start_method``).
 
     forkserver workers re-import the main script (as ``__mp_main__``), so it must be guarded by
     ``if __name__ == "__main__":``; the dataset and functions must pickle, by reference to

@@ -10,7 +10,10 @@ DataLoader workers get the batches of one chunk in turn, so without more each wo
 read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
 where there is one, bounded by ``memory_bytes``, removed when the process that made it exits)
 that the processes it is copied into (forked or pickled workers) share: a chunk is fetched by
-the first worker that wants it and read from there by the others.
+the first worker that wants it and read from there by the others. Chunks this process was given
+already (:meth:`ChunkReader.seed`: what indexing read) go there when the reader is pickled for
+a worker, so workers that start by pickling (forkserver, spawn) do not read them again; forked
+workers have them in the memory they share.
 """
 
 from __future__ import annotations
@@ -72,12 +75,15 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Chunk, tuple[Any, int]] = OrderedDict()
         self._held = 0
+        self._unshared: dict[Chunk, bytes | memoryview] = {}  # seeded, not in ``shared`` yet
         self._reading: dict[Chunk, Future[Any]] = {}
         self.reads = 0
         self.hits = 0
         self.seeded = 0
 
-    def __getstate__(self) -> dict[str, Any]:  # a worker starts with nothing kept
+    def __getstate__(self) -> dict[str, Any]:
+        """A worker's copy: nothing kept, the seeded chunks waiting for it in ``shared``."""
+        self._share_seeds()
         keep = ("memory_bytes", "_load", "_weigh", "shared", "_owner")
         return {name: self.__dict__[name] for name in keep}
 
@@ -124,7 +130,7 @@ class ChunkReader:
         """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""
         if os.getpid() == self._owner:
             return self._fetch(chunks, fetcher)
-        names = [Cache.name(c.url, c.version, f"chunk:{c.start}-{c.end}") for c in chunks]
+        names = [_shared_name(c) for c in chunks]
 
         def fetched(positions: list[int]) -> list[Any]:
             bodies = self._fetch([chunks[p] for p in positions], fetcher)
@@ -141,7 +147,20 @@ class ChunkReader:
         if not isinstance(value, BaseException):
             with self._lock:
                 self._keep(chunk, value)
+                if chunk in self._kept:
+                    self._unshared[chunk] = body
                 self.seeded += 1
+
+    def _share_seeds(self) -> None:
+        """Put the seeded chunks still kept into ``shared`` (once each), for the workers."""
+        if os.getpid() != self._owner:
+            return
+        with self._lock:
+            seeds, self._unshared = list(self._unshared.items()), {}
+        if seeds:
+            bodies = [np.frombuffer(body, np.uint8) for _, body in seeds]
+            names = [_shared_name(chunk) for chunk, _ in seeds]
+            self.shared.get_many(names, lambda positions: [bodies[p] for p in positions])
 
     def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
         bodies = self._bodies(chunks, fetcher)
@@ -171,8 +190,14 @@ class ChunkReader:
         self._kept[chunk] = (value, weight)
         self._held += weight
         while self._held > self.memory_bytes:
-            _, (_, dropped) = self._kept.popitem(last=False)
+            gone, (_, dropped) = self._kept.popitem(last=False)
             self._held -= dropped
+            self._unshared.pop(gone, None)  # held no longer: not to be shared either
+
+
+def _shared_name(chunk: Chunk) -> str:
+    """The chunk's name in the scratch cache the workers share."""
+    return Cache.name(chunk.url, chunk.version, f"chunk:{chunk.start}-{chunk.end}")
 
 
 def _scratch(memory_bytes: int, owner: int) -> Cache:
