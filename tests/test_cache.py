@@ -336,6 +336,23 @@ def test_a_cache_under_a_file_is_a_named_cache_error(tmp_path: Path) -> None:
         Cache(tmp_path / "file" / "c")
 
 
+@pytest.mark.parametrize("fmt", ["npy", "zarr"])
+def test_a_cache_whose_folder_went_away_under_it_is_a_named_cache_error(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A file where the cache's folder was (removed and replaced by someone else): reading and
+    locking entries raise the CacheError naming the cache, not a bare OSError, and compute is
+    not called for entries that cannot be stored."""
+    cache = Cache(tmp_path / "c", format=fmt)  # type: ignore[arg-type]
+    cache.put("a", np.arange(4))
+    shutil.rmtree(tmp_path / "c")
+    (tmp_path / "c").write_text("in the way")
+    computed: list[int] = []
+    with pytest.raises(CacheError, match=r"cannot .* in .*/c \(ENOTDIR"):
+        cache.get_many(["a", "b"], lambda positions: computed.extend(positions) or [0, 0])
+    assert computed == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
 def test_a_read_only_cache_dir_is_a_named_cache_error(tmp_path: Path) -> None:
     Cache(tmp_path / "c")

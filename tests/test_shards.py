@@ -6,8 +6,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import shutil
 import tarfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,7 @@ import pytest
 import fastload
 from fastload import Cache, ChunkConfig, ConfigError, ObjectChangedError, RemoteDataset, ShardError
 from fastload.sampler import PermutationSampler, block_locality
+from fastload.sources._chunks import _in_memory
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET, assert_identities, write
 
@@ -438,3 +442,39 @@ def test_a_rewritten_shard_on_a_store_that_names_no_version_fails_its_header_che
     write(root, {}, {"a.tar": good[:512] + tar_shard(1, 10)[512 : len(good)]})
     with pytest.raises(ShardError, match=r"'class.0/img-00003'.*a\.tar.*changed since it"):
         dataset[3]
+
+
+def test_workers_read_chunks_themselves_when_the_scratch_cache_cannot_be_written(
+    seaweed: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scratch cache the workers share is an optimisation: when it cannot be written (here
+    a file stands where its folder was; a full /dev/shm in a container is the real case),
+    every sample still arrives once and each process says why it reads chunks itself."""
+    root = f"s3://{BUCKET}/shards-noscratch-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+    dataset = RemoteDataset(
+        f"{root}/train",
+        shards="tar",
+        decode=DECODE,
+        transform=npy_member,
+        chunks=ChunkConfig(chunk_bytes=150_000),
+        storage_options=options,
+    )
+    scratch = Path(dataset.source.reader.shared.root)  # type: ignore[attr-defined]
+    shutil.rmtree(scratch)
+    scratch.write_text("in the way")
+    try:
+        with caplog.at_level(logging.WARNING):
+            loader = fastload.DataLoader(dataset, batch_size=5, shuffle=True, num_workers=2)
+            values = sorted(int(b[i, 0, 0]) - 40_000 for b in loader for i in range(len(b)))
+    finally:
+        scratch.unlink()
+    assert values == list(range(SHARDS * PER_SHARD))
+    assert "reads chunks itself, not through the scratch cache" in caplog.text  # the seeds
+
+
+def test_the_scratch_cache_is_in_memory_only_where_it_fits() -> None:
+    assert _in_memory(1, "/dev/shm") == ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    assert _in_memory(1 << 62, "/dev/shm") is None  # no room: the temporary folder
+    assert _in_memory(1, "/no/such/folder") is None

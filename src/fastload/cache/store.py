@@ -349,6 +349,10 @@ class Cache:
     def _load_all(self, digests: Sequence[str], held: bool = False) -> list[Any]:
         """:meth:`_load` of each digest; segment entries are read together (one call to the
         segments for the batch)."""
+        with self._own_files("read cache entries"):
+            return self._load_each(digests, held)
+
+    def _load_each(self, digests: Sequence[str], held: bool) -> list[Any]:
         if self._packed is None:
             return [self._load_file(digest, held) for digest in digests]
         touch = self.max_bytes is not None and not self.read_only
@@ -487,6 +491,17 @@ class Cache:
             if not self.read_only:
                 lock.release()
 
+    @contextlib.contextmanager
+    def _own_files(self, what: str) -> Iterator[None]:
+        """An OSError of the cache's own files that the code inside does not handle (a file
+        where a folder should be, EIO, EACCES) raised as the CacheError naming the cache."""
+        try:
+            yield
+        except CacheError:
+            raise
+        except OSError as exc:
+            raise CacheError(f"cannot {what} in {self.root} ({_why(exc)})") from exc
+
     def _count(self, hit: bool) -> None:
         if hit:
             self.counters.hits += 1
@@ -536,9 +551,15 @@ class Cache:
         """Lock what no one else is computing; the rest are someone else's to finish."""
         ours: dict[int, EntryLock] = {}
         theirs: dict[int, EntryLock] = {}
-        for digest, i in sorted(first.items()):
-            lock = self._lock(digest)
-            (ours if lock.acquire(blocking=False) else theirs)[i] = lock
+        try:
+            with self._own_files("lock cache entries"):
+                for digest, i in sorted(first.items()):
+                    lock = self._lock(digest)
+                    (ours if lock.acquire(blocking=False) else theirs)[i] = lock
+        except BaseException:
+            for lock in ours.values():
+                lock.release()
+            raise
         return ours, theirs
 
     def _wait_for(
@@ -549,7 +570,8 @@ class Cache:
         left: dict[int, EntryLock] = {}
         try:
             for i, lock in theirs.items():
-                lock.acquire()
+                with self._own_files("lock cache entries"):
+                    lock.acquire()
                 out[i] = self._load(digests[i], held=True)
                 if out[i] is _MISSING:
                     left[i] = lock  # ours to compute: not a wait

@@ -8,16 +8,19 @@ threads that want one chunk at once (the loop and the loader's lookahead) share 
 
 DataLoader workers get the batches of one chunk in turn, so without more each worker would
 read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
-where there is one, bounded by ``memory_bytes``, removed when the process that made it exits)
-that the processes it is copied into (forked or pickled workers) share: a chunk is fetched by
-the first worker that wants it and read from there by the others. Chunks this process was given
-already (:meth:`ChunkReader.seed`: what indexing read) go there when the reader is pickled for
-a worker, so workers that start by pickling (forkserver, spawn) do not read them again; forked
-workers have them in the memory they share.
+where it has room for ``memory_bytes``, else in the temporary folder; bounded by
+``memory_bytes``; removed when the process that made it exits) that the processes it is copied
+into (forked or pickled workers) share: a chunk is fetched by the first worker that wants it
+and read from there by the others. Chunks this process was given already
+(:meth:`ChunkReader.seed`: what indexing read) go there when the reader is pickled for a worker,
+so workers that start by pickling (forkserver, spawn) do not read them again; forked workers
+have them in the memory they share. A scratch cache that cannot be written (a full disk) costs
+only the sharing: the workers then read chunks themselves, and say so once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -32,10 +35,12 @@ from typing import Any
 import numpy as np
 
 from fastload.cache import Cache
-from fastload.errors import ShardError
+from fastload.errors import CacheError, ShardError
 from fastload.fetcher import Fetcher, Request
 
 __all__ = ["Chunk", "ChunkReader"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Chunk, tuple[Any, int]] = OrderedDict()
         self._held = 0
+        self._sharing = True  # the scratch cache works (see _unshareable)
         self._unshared: dict[Chunk, bytes | memoryview] = {}  # seeded, not in ``shared`` yet
         self._reading: dict[Chunk, Future[Any]] = {}
         self.reads = 0
@@ -128,7 +134,7 @@ class ChunkReader:
 
     def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""
-        if os.getpid() == self._owner:
+        if os.getpid() == self._owner or not self._sharing:
             return self._fetch(chunks, fetcher)
         names = [_shared_name(c) for c in chunks]
 
@@ -138,8 +144,22 @@ class ChunkReader:
                 b if isinstance(b, BaseException) else np.frombuffer(b, np.uint8) for b in bodies
             ]
 
-        found = self.shared.get_many(names, fetched)
+        try:
+            found = self.shared.get_many(names, fetched)
+        except CacheError as exc:
+            self._unshareable(exc)
+            return self._fetch(chunks, fetcher)
         return [b if isinstance(b, BaseException) else b.tobytes() for b in found]
+
+    def _unshareable(self, error: CacheError) -> None:
+        """Stop sharing chunks through a scratch cache that cannot be written, saying why."""
+        self._sharing = False
+        log.warning(
+            "shard chunks: process %d reads chunks itself, not through the scratch cache the "
+            "DataLoader workers share (%s)",
+            os.getpid(),
+            error,
+        )
 
     def seed(self, chunk: Chunk, body: bytes | memoryview) -> None:
         """Keep ``chunk``'s bytes, read already (a shard's index read them), as if just read."""
@@ -157,10 +177,13 @@ class ChunkReader:
             return
         with self._lock:
             seeds, self._unshared = list(self._unshared.items()), {}
-        if seeds:
+        if seeds and self._sharing:
             bodies = [np.frombuffer(body, np.uint8) for _, body in seeds]
             names = [_shared_name(chunk) for chunk, _ in seeds]
-            self.shared.get_many(names, lambda positions: [bodies[p] for p in positions])
+            try:
+                self.shared.get_many(names, lambda positions: [bodies[p] for p in positions])
+            except CacheError as exc:
+                self._unshareable(exc)
 
     def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
         bodies = self._bodies(chunks, fetcher)
@@ -202,12 +225,21 @@ def _shared_name(chunk: Chunk) -> str:
 
 def _scratch(memory_bytes: int, owner: int) -> Cache:
     """A cache for the chunks of the workers this process starts; removed when it exits."""
-    shm = "/dev/shm"
-    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="fastload-chunks-", dir=where)
+    root = tempfile.mkdtemp(prefix="fastload-chunks-", dir=_in_memory(memory_bytes))
     cache = Cache(root, format="npy", max_bytes=max(memory_bytes, 1))
     weakref.finalize(cache, _remove, root, owner)
     return cache
+
+
+def _in_memory(nbytes: int, shm: str = "/dev/shm") -> str | None:
+    """``shm`` when it is a writable folder with room for ``nbytes`` (a container's is often 64
+    MB), else None: the temporary folder."""
+    try:
+        room = os.statvfs(shm)
+    except OSError:
+        return None
+    fits = room.f_bavail * room.f_frsize >= nbytes
+    return shm if fits and os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 def _remove(root: str, owner: int) -> None:
