@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -461,7 +463,7 @@ def test_workers_read_chunks_themselves_when_the_scratch_cache_cannot_be_written
         chunks=ChunkConfig(chunk_bytes=150_000),
         storage_options=options,
     )
-    scratch = Path(dataset.source.reader.shared.root)  # type: ignore[attr-defined]
+    scratch: Path = dataset.source.reader.shared.root  # type: ignore[attr-defined]
     shutil.rmtree(scratch)
     scratch.write_text("in the way")
     try:
@@ -478,3 +480,37 @@ def test_the_scratch_cache_is_in_memory_only_where_it_fits() -> None:
     assert _in_memory(1, "/dev/shm") == ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     assert _in_memory(1 << 62, "/dev/shm") is None  # no room: the temporary folder
     assert _in_memory(1, "/no/such/folder") is None
+
+
+def test_a_scratch_cache_left_by_a_killed_process_is_removed_by_the_next(tmp_path: Path) -> None:
+    """A job scheduler stops training with SIGTERM, which runs no exit handler: the scratch
+    cache (in /dev/shm: memory) of the killed process stays. The next process that makes one
+    removes it; one whose process still lives stays."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.tar").write_bytes(tar_shard(0, 3))
+    script = (
+        "import sys, time\n"
+        "from fastload import RemoteDataset\n"
+        f"dataset = RemoteDataset('file://{shards}', shards='tar')\n"
+        "print(dataset.source.reader.shared.root.parent, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    living = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout is not None and living.stdout is not None
+    left, kept = Path(killed.stdout.readline().strip()), Path(living.stdout.readline().strip())
+    try:
+        killed.terminate()
+        killed.wait(timeout=30)
+        assert left.is_dir() and kept.is_dir()  # SIGTERM: no clean-up ran
+        dataset = RemoteDataset(f"file://{shards}", shards="tar")
+        assert not left.exists() and kept.is_dir()
+        assert dataset.source.reader.shared.root.is_dir()  # type: ignore[attr-defined]
+    finally:
+        for process in (killed, living):
+            process.kill()
+            process.wait(timeout=30)
+            if process.stdout is not None:
+                process.stdout.close()
+        shutil.rmtree(kept, ignore_errors=True)  # killed too: not to wait for the next sweep

@@ -9,9 +9,9 @@ threads that want one chunk at once (the loop and the loader's lookahead) share 
 DataLoader workers get the batches of one chunk in turn, so without more each worker would
 read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
 where it has room for ``memory_bytes``, else in the temporary folder; bounded by
-``memory_bytes``; removed when the process that made it exits) that the processes it is copied
-into (forked or pickled workers) share: a chunk is fetched by the first worker that wants it
-and read from there by the others. Chunks this process was given already
+``memory_bytes``; removed when the process that made it exits, or if that process was killed,
+by the next that makes one) that the processes it is copied into (forked or pickled workers)
+share: a chunk is fetched by the first worker that wants it and read from there by the others. Chunks this process was given already
 (:meth:`ChunkReader.seed`: what indexing read) go there when the reader is pickled for a worker,
 so workers that start by pickling (forkserver, spawn) do not read them again; forked workers
 have them in the memory they share. A scratch cache that cannot be written (a full disk) costs
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from fastload.cache import Cache
+from fastload.cache._locks import lock_whole
 from fastload.errors import CacheError, ShardError
 from fastload.fetcher import Fetcher, Request
 
@@ -223,12 +224,46 @@ def _shared_name(chunk: Chunk) -> str:
     return Cache.name(chunk.url, chunk.version, f"chunk:{chunk.start}-{chunk.end}")
 
 
+_SCRATCH = "fastload-chunks-"
+_OWNER = "owner.lock"
+
+
 def _scratch(memory_bytes: int, owner: int) -> Cache:
-    """A cache for the chunks of the workers this process starts; removed when it exits."""
-    root = tempfile.mkdtemp(prefix="fastload-chunks-", dir=_in_memory(memory_bytes))
-    cache = Cache(root, format="npy", max_bytes=max(memory_bytes, 1))
-    weakref.finalize(cache, _remove, root, owner)
+    """A cache for the chunks of the workers this process starts; removed when it exits, and
+    by the next process that makes one if it was killed first (a SIGTERM from a job scheduler
+    runs no exit handler): its folder's ``owner.lock`` is locked for as long as the process
+    (or a worker it forked) lives."""
+    parent = _in_memory(memory_bytes) or tempfile.gettempdir()
+    _sweep(parent)
+    root = tempfile.mkdtemp(prefix=_SCRATCH, dir=parent)
+    # the owner lock is taken before the file has its name: a sweep never finds it unlocked
+    making = os.path.join(root, f"{_OWNER}.new")
+    held = os.open(making, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock_whole(held, shared=False)
+    os.rename(making, os.path.join(root, _OWNER))
+    cache = Cache(os.path.join(root, "chunks"), format="npy", max_bytes=max(memory_bytes, 1))
+    weakref.finalize(cache, _remove, root, owner, held)
     return cache
+
+
+def _sweep(parent: str) -> None:
+    """Remove the scratch folders in ``parent`` that no live process holds."""
+    try:
+        names = [name for name in os.listdir(parent) if name.startswith(_SCRATCH)]
+    except OSError:
+        return
+    for name in names:
+        folder = os.path.join(parent, name)
+        try:
+            fd = os.open(os.path.join(folder, _OWNER), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # being made, or not a scratch folder of this version
+            continue
+        try:
+            if lock_whole(fd, shared=False):
+                shutil.rmtree(folder, ignore_errors=True)
+                log.info("shard chunks: removed %s, left by a process that was killed", folder)
+        finally:
+            os.close(fd)
 
 
 def _in_memory(nbytes: int, shm: str = "/dev/shm") -> str | None:
@@ -242,6 +277,7 @@ def _in_memory(nbytes: int, shm: str = "/dev/shm") -> str | None:
     return shm if fits and os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
-def _remove(root: str, owner: int) -> None:
+def _remove(root: str, owner: int, held: int) -> None:
     if os.getpid() == owner:  # a forked worker's copy must not remove what the others use
         shutil.rmtree(root, ignore_errors=True)
+        os.close(held)
