@@ -11,11 +11,12 @@ read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (i
 where it has room for ``memory_bytes``, else in the temporary folder; bounded by
 ``memory_bytes``; removed when the process that made it exits, or if that process was killed,
 by the next that makes one) that the processes it is copied into (forked or pickled workers)
-share: a chunk is fetched by the first worker that wants it and read from there by the others. Chunks this process was given already
-(:meth:`ChunkReader.seed`: what indexing read) go there when the reader is pickled for a worker,
-so workers that start by pickling (forkserver, spawn) do not read them again; forked workers
-have them in the memory they share. A scratch cache that cannot be written (a full disk) costs
-only the sharing: the workers then read chunks themselves, and say so once.
+share: a chunk is fetched by the first worker that wants it and read from there by the others.
+Chunks this process was given already (:meth:`ChunkReader.seed`: what indexing read) go there
+when the reader is pickled for a worker, so workers that start by pickling (forkserver, spawn)
+do not read them again; forked workers have them in the memory they share. A scratch cache that
+cannot be written (a full disk) costs only the sharing: the workers then read chunks
+themselves, and say so once.
 """
 
 from __future__ import annotations
