@@ -514,3 +514,38 @@ def test_a_scratch_cache_left_by_a_killed_process_is_removed_by_the_next(tmp_pat
             if process.stdout is not None:
                 process.stdout.close()
         shutil.rmtree(kept, ignore_errors=True)  # killed too: not to wait for the next sweep
+
+
+def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> None:
+    """Real tables have nulls: in an id column (ids above 2**53, as hashed ids are), in a
+    dictionary-encoded category column (how pandas and Spark write repeated strings), in a
+    sensor column of an event's pulses. pyarrow's to_numpy gave a null category another row's
+    value and rounded every id of a row group with a null id."""
+    root = f"gs://{BUCKET}/nulls-{uuid.uuid4().hex[:8]}"
+    options = gcs.storage_options()
+    big = 2**53 + 1
+    table = pa.table(
+        {
+            "event_id": pa.array([1, 1, 2, 2, 2, 3], pa.int64()),
+            "hit_id": pa.array([big, None, big + 2, big + 3, None, big + 5], pa.int64()),
+            "detector": pa.array(["ecal", "hcal", None, "ecal", "hcal", None]).dictionary_encode(),
+            "energy": pa.array([1.5, None, 2.5, 3.5, 4.5, 5.5], pa.float32()),
+        }
+    )
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    write(root, options, {"events/part-0.parquet": out.getvalue()})
+
+    rows = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
+    got = [rows[i] for i in range(len(rows))]
+    assert [r["hit_id"] for r in got] == [big, None, big + 2, big + 3, None, big + 5]
+    assert all(isinstance(r["hit_id"], np.int64) for r in got if r["hit_id"] is not None)
+    assert [r["detector"] for r in got] == ["ecal", "hcal", None, "ecal", "hcal", None]
+    assert np.isnan(got[1]["energy"]) and got[0]["energy"] == np.float32(1.5)
+
+    events = RemoteDataset(
+        f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
+    )
+    second = events[1]  # event 2: three pulses, one without a hit id
+    assert list(second["hit_id"]) == [big + 2, big + 3, None]
+    assert list(second["detector"]) == [None, "ecal", "hcal"]

@@ -1,7 +1,8 @@
 """Many samples in one parquet file, read in place: one sample per row, or per run of rows.
 
 ``decode`` receives a row as ``{column: value}`` (numbers as numpy scalars, list columns as
-numpy arrays, strings as str); with ``decode=None`` the row is the sample. With ``row_key``
+numpy arrays, strings as str; a null is None, NaN in a floating-point column, NaT in a time
+column); with ``decode=None`` the row is the sample. With ``row_key``
 (e.g. ``"event_id"``, when an event's pulses are consecutive rows) each run of rows sharing a
 value of that column is one sample, ``{column: array of its rows}``; a file in which a value
 comes back later (not sorted by it) is an error naming the value, never two samples.
@@ -173,9 +174,7 @@ class ParquetShards(Shards):
         parts = {chunk.start: bytes(body)}  # pyarrow reads bytes: obstore's buffer is copied
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         table = file.read_row_groups(self._groups[chunk.index])
-        columns = {
-            name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names
-        }
+        columns = {name: _numpy(table.column(name)) for name in table.column_names}
         return _RowGroup(columns, int(table.nbytes))
 
     def _weigh(self, loaded: Any) -> int:
@@ -200,6 +199,22 @@ def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarra
                 url=shard.url,
             )
         first[key] = start
+
+
+def _numpy(column: Any) -> np.ndarray:
+    """A pyarrow column as numpy, each null a null and every value exact. pyarrow's own
+    ``to_numpy`` gives a dictionary-encoded null another row's value, and turns an integer
+    column with a null into float64 (so an id above 2**53 changes); here a dictionary column
+    is decoded first, and an integer column with nulls is an object array of its values (numpy
+    integers) and None."""
+    arrow = import_extra("pyarrow", extra="parquet", feature="shards='parquet'")
+    if arrow.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    if not (column.null_count and arrow.types.is_integer(column.type)):
+        return column.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
+    values = np.array(list(column.fill_null(0).to_numpy()), dtype=object)
+    values[column.is_null().to_numpy(zero_copy_only=False)] = None
+    return values
 
 
 def _parquet() -> Any:
