@@ -520,7 +520,8 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> N
     """Real tables have nulls: in an id column (ids above 2**53, as hashed ids are), in a
     dictionary-encoded category column (how pandas and Spark write repeated strings), in a
     sensor column of an event's pulses. pyarrow's to_numpy gave a null category another row's
-    value and rounded every id of a row group with a null id."""
+    value and rounded every id of a row group with a null id (in a column, in a list column's
+    items, in a struct's field)."""
     root = f"gs://{BUCKET}/nulls-{uuid.uuid4().hex[:8]}"
     options = gcs.storage_options()
     big = 2**53 + 1
@@ -530,6 +531,10 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> N
             "hit_id": pa.array([big, None, big + 2, big + 3, None, big + 5], pa.int64()),
             "detector": pa.array(["ecal", "hcal", None, "ecal", "hcal", None]).dictionary_encode(),
             "energy": pa.array([1.5, None, 2.5, 3.5, 4.5, 5.5], pa.float32()),
+            "channels": pa.array([[big, None], [7], [], None, [8, 9], [big]], pa.list_(pa.int64())),
+            "origin": pa.array(
+                [{"run": big}, {"run": None}, None, {"run": 4}, {"run": 5}, {"run": 6}]
+            ),
         }
     )
     out = io.BytesIO()
@@ -542,6 +547,15 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> N
     assert all(isinstance(r["hit_id"], np.int64) for r in got if r["hit_id"] is not None)
     assert [r["detector"] for r in got] == ["ecal", "hcal", None, "ecal", "hcal", None]
     assert np.isnan(got[1]["energy"]) and got[0]["energy"] == np.float32(1.5)
+    assert [None if r["channels"] is None else list(r["channels"]) for r in got] == [
+        [big, None],
+        [7],
+        [],
+        None,
+        [8, 9],
+        [big],
+    ]
+    assert [r["origin"] for r in got[:3]] == [{"run": big}, {"run": None}, None]
 
     events = RemoteDataset(
         f"{root}/events", shards="parquet", row_key="event_id", storage_options=options

@@ -202,19 +202,49 @@ def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarra
 
 
 def _numpy(column: Any) -> np.ndarray:
-    """A pyarrow column as numpy, each null a null and every value exact. pyarrow's own
-    ``to_numpy`` gives a dictionary-encoded null another row's value, and turns an integer
-    column with a null into float64 (so an id above 2**53 changes); here a dictionary column
-    is decoded first, and an integer column with nulls is an object array of its values (numpy
-    integers) and None."""
+    """A pyarrow column as numpy, each null a null and every value exact.
+
+    pyarrow's own ``to_numpy`` gives a dictionary-encoded null another row's value, and turns
+    integers into float64 wherever a null sits among them (a column, the items of a list
+    column, a field of a struct), so an id above 2**53 changes. Here a dictionary column is
+    decoded first; an integer column with nulls is an object array of its numpy integers and
+    None; a list column with integer nulls inside has object arrays for rows; a struct or map
+    column is its rows' Python values.
+    """
     arrow = import_extra("pyarrow", extra="parquet", feature="shards='parquet'")
     if arrow.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
-    if not (column.null_count and arrow.types.is_integer(column.type)):
-        return column.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
-    values = np.array(list(column.fill_null(0).to_numpy()), dtype=object)
-    values[column.is_null().to_numpy(zero_copy_only=False)] = None
-    return values
+    kind, whole = column.type, column.combine_chunks()
+    if _exact(arrow.types, kind, whole):
+        return whole.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
+    if arrow.types.is_integer(kind):
+        values = np.array(list(whole.fill_null(0).to_numpy()), dtype=object)
+        values[whole.is_null().to_numpy(zero_copy_only=False)] = None
+        return values
+    rows = whole.to_pylist()
+    if _is_list(arrow.types, kind):
+        rows = [None if row is None else np.array(row, dtype=object) for row in rows]
+    out = np.empty(len(rows), dtype=object)
+    out[:] = rows
+    return out
+
+
+def _exact(types: Any, kind: Any, values: Any) -> bool:
+    """Whether pyarrow's ``to_numpy`` keeps every value of ``values`` (of type ``kind``)."""
+    if types.is_integer(kind):
+        return bool(values.null_count == 0)
+    if _is_list(types, kind):
+        return _exact(types, kind.value_type, values.flatten())
+    return not (
+        types.is_struct(kind)
+        or types.is_map(kind)
+        or types.is_union(kind)
+        or types.is_dictionary(kind)
+    )
+
+
+def _is_list(types: Any, kind: Any) -> bool:
+    return bool(types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind))
 
 
 def _parquet() -> Any:
