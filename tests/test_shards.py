@@ -224,6 +224,15 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with pytest.raises(ShardError, match=r"sample 'a' comes twice .*b\.tar"):
         RemoteDataset(root, shards="tar", storage_options=options)
 
+    sparse = io.BytesIO()  # GNU tar -S: the member's bytes in the shard are not the file's
+    with tarfile.open(fileobj=sparse, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("a.bin")
+        info.type, info.size = tarfile.GNUTYPE_SPARSE, 3
+        tar.addfile(info, io.BytesIO(b"xyz"))
+    write(root, options, {"b.tar": sparse.getvalue()})
+    with pytest.raises(ShardError, match=r"'a\.bin' is a sparse file.*b\.tar"):
+        RemoteDataset(root, shards="tar", storage_options=options)
+
     write(root, options, {"b.tar": tar_shard(10, 10)})
     no_room = ChunkConfig(memory_bytes=1000)  # nothing kept from indexing: reads go to the store
     dataset = RemoteDataset(root, shards="tar", chunks=no_room, storage_options=options)

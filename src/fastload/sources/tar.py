@@ -149,6 +149,11 @@ def _read_headers(
             while (member := tar.next()) is not None:
                 if not member.isfile():
                     continue
+                if member.issparse():  # its bytes in the shard are not the file's
+                    raise ShardError(
+                        f"member {member.name!r} is a sparse file, which cannot be read in place",
+                        url=shard.url,
+                    )
                 end = member.offset_data + member.size
                 if end > shard.size:
                     raise ShardError(
