@@ -121,6 +121,26 @@ def test_groups_with_workers_the_workers_cache_ahead_themselves(
     assert total.cache.hits + total.cache.waits >= 2
 
 
+def test_members_come_in_numbered_order(seaweed: S3Server) -> None:
+    """Channels and slices are often numbered without padding (ch1 ... ch12, 1.dcm ...
+    120.dcm): a transform that stacks a group's members in order must get ch2 before ch10."""
+    root = f"s3://{BUCKET}/numbered-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    fields = ("plate1/A01/f1", "plate1/A01/f2")
+    objects = {
+        f"{field}_ch{c}.tiff": tiff(np.full((4, 5), 40_000 + c, np.uint16))
+        for field in fields
+        for c in range(1, 13)
+    }
+    write(root, options, objects)
+    rule = r"(.*)_ch\d+\.tiff$"
+    dataset = RemoteDataset(root, group_by=rule, decode="tiff", storage_options=options)
+    sample = dataset[1]
+    assert list(sample) == [f"{fields[1]}_ch{c}.tiff" for c in range(1, 13)]
+    stacked = np.stack([member[0, 0, 0] for member in sample.values()])
+    assert stacked.tolist() == [40_000 + c for c in range(1, 13)]
+
+
 def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> None:
     root = f"s3://{BUCKET}/incomplete-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()

@@ -2,7 +2,9 @@
 
 ``group_by`` names each object's group: a regular expression (its first group, or the whole
 match, is the group name) or a callable ``key -> name`` (None leaves the object out). Groups
-come in sorted order, their members sorted by key; ``decode`` receives ``{member key: bytes}``,
+come in sorted order, their members sorted by key with numbers by value (``_ch2`` before
+``_ch10``, ``9.dcm`` before ``10.dcm``: a transform that stacks members in order stacks them as
+numbered); ``decode`` receives ``{member key: bytes}``,
 or decodes each member by name (``decode="tiff"``) or by pattern (``{"*.tiff": "tiff"}``).
 
 A member's *role* is its key without the group name (``_ch3.tiff`` in ``f02_ch3.tiff``). When
@@ -35,6 +37,7 @@ GroupRule = str | re.Pattern[str] | Callable[[str], str | None]
 Incomplete = Literal["raise", "skip", "accept"]
 LabelSource = Mapping[str, int | str] | str | Path | Callable[[str], int | str]
 _SHOWN = 5  # names listed in a message
+_DIGITS = re.compile(r"(\d+)")  # split keeps them: text and numbers alternate, text first
 
 
 class Groups:
@@ -63,7 +66,7 @@ class Groups:
             keys = manifest.keys()
             groups = _group(keys, manifest.root, group_by)
             groups = _check_complete(groups, keys, manifest.root, incomplete, members)
-            found = [(name, groups[name]) for name in sorted(groups)]
+            found = [(name, _numbered(groups[name], keys)) for name in sorted(groups)]
             if rule is not None:  # saving the manifest keeps it: a restart does not group again
                 manifest = manifest.with_grouping(Grouping.of(rule, found))
         self.manifest = manifest
@@ -134,7 +137,16 @@ def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str |
             what = f"fn:{fingerprint(group_by)}"
     except (re.error, ConfigError, TypeError):  # grouping says what is wrong with it
         return None
-    return f"{what}|incomplete={incomplete}|members={members!r}"
+    return f"{what}|incomplete={incomplete}|members={members!r}|numbered"
+
+
+def _numbered(members: list[int], keys: list[str]) -> list[int]:
+    """``members`` (entry indices) in the order of their keys, runs of digits by value."""
+
+    def order(i: int) -> list[Any]:
+        return [int(part) if part.isdigit() else part for part in _DIGITS.split(keys[i])]
+
+    return sorted(members, key=order)
 
 
 def _members(sample: Sample, bodies: Sequence[bytes]) -> dict[str, bytes]:
