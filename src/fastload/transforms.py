@@ -2,8 +2,10 @@
 exactly the entries it produced.
 
 A :class:`Transform` is any callable with a ``fingerprint`` string. :func:`versioned` gives a
-plain function one; :func:`fingerprint` falls back to hashing a function's code, constants and
-defaults (edits to the function change it; edits to what it calls do not, so prefer a version).
+plain function one; :func:`fingerprint` falls back to hashing a function's code, constants,
+defaults and closure, and what the module-level names it reads hold: constants (numbers,
+strings, containers of them, numpy arrays) and functions of its own module, in turn. Edits to
+code it imports from elsewhere, or to classes it uses, are not seen: give those a version.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from types import CodeType, FunctionType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_DEEPEST = 32  # containers nested deeper are not taken for constants
 
 
 @runtime_checkable
@@ -83,10 +86,7 @@ def fingerprint(transform: Callable[..., Any] | None) -> str:
     if isinstance(own, str):
         return own
     if isinstance(transform, FunctionType):
-        code = _code_parts(transform.__code__)
-        defaults = transform.__defaults__, transform.__kwdefaults__
-        cells = [c.cell_contents for c in transform.__closure__ or ()]
-        return f"{transform.__qualname__}:{_digest(code, defaults, cells)}"
+        return _function_print(transform, {id(transform)})
     owner = getattr(transform, "__objclass__", transform)  # bytes.decode's is bytes
     if getattr(owner, "__module__", None) == "builtins":  # int, len, bytes.decode: fixed code
         return f"builtins.{getattr(transform, '__qualname__', transform)}"
@@ -94,6 +94,101 @@ def fingerprint(transform: Callable[..., Any] | None) -> str:
         f"cannot fingerprint {transform!r}: give it a 'fingerprint' attribute or use "
         "@fastload.transforms.versioned(...)"
     )
+
+
+def _function_print(function: FunctionType, seen: set[int]) -> str:
+    """A plain function's fingerprint; ``seen``: the functions already on the way here."""
+    code = _code_parts(function.__code__)
+    defaults = function.__defaults__, function.__kwdefaults__
+    names = function.__code__.co_freevars
+    cells = [
+        _captured(function, name, cell.cell_contents, seen)
+        for name, cell in zip(names, function.__closure__ or (), strict=True)
+    ]
+    reads = _globals_read(function, seen)
+    parts = (code, defaults, cells, reads) if reads else (code, defaults, cells)
+    return f"{function.__qualname__}:{_digest(*parts)}"
+
+
+def _globals_read(function: FunctionType, seen: set[int]) -> list[tuple[str, str]]:
+    """What the module-level names ``function`` reads hold, where a change would change its
+    output unseen: constants, and functions of its own module (their fingerprints in turn)."""
+    out = []
+    for name in sorted(set(_names(function.__code__))):
+        if name not in function.__globals__:
+            continue  # a builtin, or an attribute's name
+        value = function.__globals__[name]
+        own = getattr(value, "fingerprint", None)
+        if isinstance(own, str):
+            out.append((name, own))
+        elif isinstance(value, FunctionType) and value.__module__ == function.__module__:
+            if id(value) not in seen:
+                out.append((name, _function_print(value, seen | {id(value)})))
+        else:
+            constant = _constant(value)
+            if constant is not None:
+                out.append((name, constant))
+    return out
+
+
+def _captured(function: FunctionType, name: str, value: Any, seen: set[int]) -> str:
+    """The text of what ``function``'s closure holds under ``name``: a constant, a function's
+    fingerprint, a class's or module's name; anything else cannot be followed."""
+    constant = _constant(value)
+    if constant is not None:
+        return constant
+    own = getattr(value, "fingerprint", None)
+    if isinstance(own, str):
+        return own
+    if isinstance(value, FunctionType):
+        return "" if id(value) in seen else _function_print(value, seen | {id(value)})
+    if isinstance(value, ModuleType):
+        return f"module {value.__name__}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    raise ConfigError(
+        f"cannot fingerprint {function.__qualname__}: it holds {name}={type(value).__name__} "
+        "(not a constant; its repr would differ from run to run, or hide a change): give the "
+        "function a version with @fastload.transforms.versioned(...)"
+    )
+
+
+def _names(code: CodeType) -> list[str]:
+    """The global and attribute names ``code`` and the code nested in it use."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names += _names(const)
+    return names
+
+
+def _constant(value: Any, depth: int = 0) -> str | None:
+    """A stable text of a constant (the same in every process: sets sorted, arrays hashed),
+    or None for anything else (modules, classes, objects, a container that holds itself)."""
+    if depth > _DEEPEST:
+        return None
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        body = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+        return f"ndarray({value.dtype.str},{value.shape},{body})"
+    if isinstance(value, np.generic):
+        return f"{value.dtype.str}:{value.item()!r}"
+    if isinstance(value, dict):
+        elements: list[Any] = list(value.items())  # (key, value) tuples, in their order
+    elif isinstance(value, (tuple, list, set, frozenset)):
+        elements = list(value)
+    else:
+        return None
+    texts = []
+    for element in elements:
+        text = _constant(element, depth + 1)
+        if text is None:
+            return None
+        texts.append(text)
+    if isinstance(value, (set, frozenset)):
+        texts.sort()  # a set's order changes from process to process
+    return f"{type(value).__name__}[{','.join(texts)}]"
 
 
 def _code_parts(code: CodeType) -> list[Any]:

@@ -1,0 +1,101 @@
+"""Transform fingerprints: the cache keys on them, so each must change when the output would
+(else the cache serves samples made by the old preprocessing) and stay put when it would not
+(else every run, or every worker, recomputes everything)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from fastload import ConfigError
+from fastload.transforms import fingerprint, versioned
+
+PREPROCESS = """
+import numpy as np
+
+SIZE = {size}
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+KEEP = {{"jpg", "png"}}
+
+def crop(x):
+    return x[:SIZE, :SIZE]
+
+def preprocess(x):
+    return (crop(x) - MEAN{shift}) if len(KEEP) else x
+"""
+
+
+def user_module(tmp_path: Path, name: str, **values: object) -> ModuleType:
+    """A module of a user's preprocessing, as a file, imported."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(PREPROCESS.format(**{"size": 224, "shift": "", **values}))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_function_s_fingerprint_follows_the_constants_and_helpers_it_reads(
+    tmp_path: Path,
+) -> None:
+    base = fingerprint(user_module(tmp_path, "base").preprocess)
+    assert fingerprint(user_module(tmp_path, "same").preprocess) == base
+    assert fingerprint(user_module(tmp_path, "size", size=256).preprocess) != base  # a constant
+    helper = user_module(tmp_path, "helper")
+    before = fingerprint(helper.preprocess)
+    helper.MEAN = helper.MEAN + np.float32(0.01)  # an array it reads
+    assert fingerprint(helper.preprocess) != before
+    helper.MEAN = helper.MEAN - np.float32(0.01)
+    exec("def crop(x):\n    return x[:SIZE - 1, :SIZE - 1]\n", helper.__dict__)  # the helper
+    assert fingerprint(helper.preprocess) != before
+    assert fingerprint(user_module(tmp_path, "own", shift=" * 2").preprocess) != base
+
+
+def test_a_fingerprint_is_the_same_in_every_process(tmp_path: Path) -> None:
+    """A set's order (string hashing) changes from process to process: a fingerprint that
+    followed it would make every run, and every worker, miss the cache."""
+    user_module(tmp_path, "stable")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import stable
+        from fastload.transforms import fingerprint
+        print(fingerprint(stable.preprocess))
+        """
+    )
+    prints = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"},
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(prints) == 1 and next(iter(prints)).strip()
+
+
+LOOP: list[object] = []
+LOOP.append(LOOP)  # a container holding itself is not a constant: left out, no hang
+
+
+def reads_loop(x: object) -> object:
+    return x if LOOP else None
+
+
+def test_what_a_fingerprint_cannot_follow() -> None:
+    assert fingerprint(reads_loop) == fingerprint(reads_loop)
+    versioned_helper = versioned(3)(lambda x: x)
+    assert versioned_helper.fingerprint.endswith(":v3")  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="cannot fingerprint"):
+        fingerprint(np.add.reduce)  # type: ignore[arg-type]
