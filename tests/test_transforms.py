@@ -8,6 +8,7 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -91,6 +92,30 @@ LOOP.append(LOOP)  # a container holding itself is not a constant: left out, no 
 
 def reads_loop(x: object) -> object:
     return x if LOOP else None
+
+
+def lookup(table: np.ndarray) -> Callable[[int], object]:
+    return lambda i: table[i]
+
+
+class Model:
+    def __call__(self, x: object) -> object:
+        return x
+
+
+def test_a_closure_is_followed_by_value_or_refused() -> None:
+    table = np.zeros(10_000, np.float32)
+    changed = table.copy()
+    changed[5_000] = 1  # inside what the array's repr elides
+    assert fingerprint(lookup(table)) == fingerprint(lookup(table.copy()))
+    assert fingerprint(lookup(changed)) != fingerprint(lookup(table))
+    model = Model()
+
+    def predict(x: object) -> object:
+        return model(x)
+
+    with pytest.raises(ConfigError, match=r"holds model=Model .*@fastload\.transforms\.versioned"):
+        fingerprint(predict)
 
 
 def test_what_a_fingerprint_cannot_follow() -> None:
