@@ -26,7 +26,7 @@ from fastload import (
 )
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, S3Server
-from tests.conftest import BUCKET, assert_identities
+from tests.conftest import BUCKET, assert_identities, write
 
 
 def npy(value: np.ndarray) -> bytes:
@@ -209,6 +209,36 @@ def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> 
         RemoteDataset(manifest, decode="jpeg2000")
     with pytest.raises(ConfigError, match="source must be a URL or a Manifest"):
         RemoteDataset(42, decode="npy")  # type: ignore[arg-type]
+
+
+def test_folder_labels_are_image_folder_s(
+    seaweed: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """labels="folders" gives the class as torchvision's ImageFolder does: the folder right
+    under the root, however deep the object sits below it (frames under a subject's folder, a
+    view's subfolder); an object in no folder (a README) is left out and named."""
+    root = f"s3://{BUCKET}/classes-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    keys = {
+        "cat/0001.npy": 0,
+        "cat/indoor/0002.npy": 0,
+        "dog/subject 7/frames/0003.npy": 1,
+        "dog/0004.npy": 1,
+        "dog.v2/0005.npy": 2,  # a dot in the class folder's name
+    }
+    objects = {key: npy(np.full((2, 2), i, np.float32)) for i, key in enumerate(keys)}
+    objects["README.md"] = b"cats and dogs"
+    write(root, options, objects)
+    with caplog.at_level(logging.WARNING):
+        dataset = RemoteDataset(root, decode="npy", labels="folders", storage_options=options)
+    assert "leaving out 1 objects" in caplog.text and "README.md" in caplog.text
+    assert dataset.manifest.classes == ("cat", "dog", "dog.v2") and len(dataset) == len(keys)
+    by_value = {value_of(dataset[i]): dataset[i][1] for i in range(len(dataset))}
+    assert by_value == {i: label for i, label in enumerate(keys.values())}
+    flat = f"s3://{BUCKET}/flat-{uuid.uuid4().hex[:8]}"
+    write(flat, options, {"0001.npy": npy(np.zeros(2, np.float32))})
+    with pytest.raises(ConfigError, match=r"no object under .*flat-.* is in a folder"):
+        RemoteDataset(flat, decode="npy", labels="folders", storage_options=options)
 
 
 def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp_path: Any) -> None:

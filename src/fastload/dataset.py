@@ -580,14 +580,31 @@ def _labelled(
     """``manifest`` with labels per object: a table, a file, a callable or ``"folders"``."""
     keys = manifest.keys()
     if labels == "folders":
-        return manifest.with_labels({k: _parent(k) for k in keys})
+        return _class_folders(manifest, keys)
     if callable(labels) and not isinstance(labels, (str, Mapping)):
         return manifest.with_labels({k: labels(k) for k in keys})
     return manifest.with_labels(labels, key_field=label_key, label_field=label_field)
 
 
-def _parent(key: str) -> str:
-    return key.rsplit("/", 2)[-2] if "/" in key else ""
+def _class_folders(manifest: Manifest, keys: list[str]) -> Manifest:
+    """Labels as torchvision's ImageFolder gives them: each object's class is the folder right
+    under the root that holds it, at any depth (``cat/indoor/1.jpg`` is a cat); objects in no
+    folder are left out, and a warning names them (ImageFolder skips them too)."""
+    table = {key: key.split("/", 1)[0] for key in keys if "/" in key}
+    if not table:
+        raise ConfigError(
+            f"labels='folders': no object under {manifest.root} is in a folder (keys look like "
+            f"{keys[:3]}); ImageFolder's layout is <root>/<class>/<file>"
+        )
+    loose = [key for key in keys if "/" not in key]
+    if loose:
+        log.warning(
+            "labels='folders': leaving out %d objects under %s that are in no class folder: %s",
+            len(loose),
+            manifest.root,
+            loose[:5],
+        )
+    return manifest.with_labels(table, missing="drop")
 
 
 class CachedDataset(_Batched):
