@@ -118,6 +118,19 @@ def test_missing_labels(tmp_path: Path) -> None:
         manifest.with_labels(bad)
 
 
+def test_labels_that_mix_numbers_and_names_are_refused(tmp_path: Path) -> None:
+    """A CSV of numeric labels with one stray name ("unknown"): sorted as text, 10 would come
+    before 2 and every code from there on would move, silently."""
+    manifest = synthetic(12)
+    labels = tmp_path / "labels.csv"
+    rows = [f"{k},{'unknown' if i == 5 else i}" for i, k in enumerate(manifest.keys())]
+    labels.write_text("key,label\n" + "\n".join(rows) + "\n")
+    with pytest.raises(ConfigError, match=r"mix 11 integers and 1 names \(such as \['unknown'\]"):
+        manifest.with_labels(labels)
+    numbers = manifest.with_labels({k: i for i, k in enumerate(manifest.keys())})
+    assert [e.label for e in numbers] == list(range(12)) and numbers.classes is None
+
+
 def test_loading_something_else_is_a_config_error(tmp_path: Path) -> None:
     other = tmp_path / "other.npz"
     np.savez(other, meta=np.frombuffer(b'{"format": "x"}', dtype=np.uint8))

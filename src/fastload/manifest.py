@@ -380,13 +380,7 @@ class Manifest(Sequence[Entry]):
                 f"{len(absent)} of {len(keys)} objects under {self.root} have no label "
                 f"(first: {absent[:3]}); pass missing='drop' to leave them out"
             )
-        values = [table[keys[i]] for i in keep]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            codes, classes = [int(v) for v in values], None
-        else:
-            classes = sorted({str(v) for v in values})
-            index = {c: i for i, c in enumerate(classes)}
-            codes = [index[str(v)] for v in values]
+        codes, classes = label_codes([table[keys[i]] for i in keep], self.root)
         chosen = self._take(np.asarray(keep, dtype=np.int64))
         return Manifest(
             self.root,
@@ -615,6 +609,24 @@ def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[
     except Exception as exc:  # translated at the boundary, naming the object
         raise translate(exc, url) from exc
     return {"size": now.size, "version": now.version}
+
+
+def label_codes(values: Sequence[Any], root: str) -> tuple[list[int], list[str] | None]:
+    """Each label's code, and the class names when the labels are names (codes index them,
+    names sorted); integer labels are their own codes. A mix of the two is refused: sorted as
+    text, 10 would come before 2 and every code past it would move, silently."""
+    numbers = [isinstance(v, int) and not isinstance(v, bool) for v in values]
+    if all(numbers):
+        return [int(v) for v in values], None
+    if any(numbers):
+        names = sorted({str(v) for v, n in zip(values, numbers, strict=True) if not n})
+        raise ConfigError(
+            f"labels under {root} mix {sum(numbers)} integers and {len(values) - sum(numbers)} "
+            f"names (such as {names[:3]}): give every label as an integer or every one as a name"
+        )
+    classes = sorted({str(v) for v in values})
+    index = {c: i for i, c in enumerate(classes)}
+    return [index[str(v)] for v in values], classes
 
 
 def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:

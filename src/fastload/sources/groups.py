@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetcher import Fetcher
-from fastload.manifest import Grouping, Manifest, read_labels
+from fastload.manifest import Grouping, Manifest, label_codes, read_labels
 from fastload.sources import Part, Sample, group_version, read_objects
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
@@ -117,14 +117,8 @@ class Groups:
                 f"{len(absent)} of {len(self.names)} groups under {self.root} have no label "
                 f"(first: {absent[:_SHOWN]})"
             )
-        values = [table[name] for name in self.names]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            self._labels = [int(v) for v in values]
-            return
-        classes = sorted({str(v) for v in values})
-        index = {c: i for i, c in enumerate(classes)}
-        self.classes = tuple(classes)
-        self._labels = [index[str(v)] for v in values]
+        self._labels, classes = label_codes([table[name] for name in self.names], self.root)
+        self.classes = None if classes is None else tuple(classes)
 
 
 def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str | None:
