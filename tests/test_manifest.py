@@ -129,6 +129,9 @@ def test_labels_that_mix_numbers_and_names_are_refused(tmp_path: Path) -> None:
         manifest.with_labels(labels)
     numbers = manifest.with_labels({k: i for i, k in enumerate(manifest.keys())})
     assert [e.label for e in numbers] == list(range(12)) and numbers.classes is None
+    floats = tmp_path / "floats.csv"  # pandas writes an int column with a gap as floats
+    floats.write_text("key,label\n" + "".join(f"{e.key},{i}.0\n" for i, e in enumerate(manifest)))
+    assert [e.label for e in manifest.with_labels(floats)] == list(range(12))
 
 
 def test_loading_something_else_is_a_config_error(tmp_path: Path) -> None:

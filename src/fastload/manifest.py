@@ -664,10 +664,17 @@ def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int |
 
 
 def _maybe_int(value: Any) -> int | str:
+    """A label as an integer when it is one: ``3``, ``"3"``, and ``3.0`` or ``"3.0"`` (pandas
+    writes an integer column holding a missing value as floats); else its text, a name."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     text = str(value).strip()
     try:
         return int(text)
     except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
         return text
+    return int(number) if number.is_integer() else text
