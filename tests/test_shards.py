@@ -572,3 +572,12 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> N
     second = events[1]  # event 2: three pulses, one without a hit id
     assert list(second["hit_id"]) == [big + 2, big + 3, None]
     assert list(second["detector"]) == [None, "ecal", "hcal"]
+
+    keyed = pa.table(
+        {"run": pa.array(["r1", "r1", None, "r2"]).dictionary_encode(), "t": [0.0] * 4}
+    )
+    out = io.BytesIO()
+    pq.write_table(keyed, out)  # a row with no run: it was read as another run's row
+    write(root, options, {"runs/part-0.parquet": out.getvalue()})
+    with pytest.raises(ShardError, match=r"row_key 'run' is null in 1 rows.*part-0\.parquet"):
+        RemoteDataset(f"{root}/runs", shards="parquet", row_key="run", storage_options=options)

@@ -31,7 +31,7 @@ from fastload.sources._shards import Shards
 
 __all__ = ["ParquetShards"]
 
-INDEX_VERSION = "parquet-index/1"
+INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
 _MAGIC = b"PAR1"
 _TAIL = 64 << 10  # the first suffix read: most footers fit
 
@@ -101,11 +101,14 @@ class ParquetShards(Shards):
         columns = [
             file.read_row_group(g, columns=[self.row_key]).column(0) for g in range(len(groups))
         ]
-        return (
-            np.concatenate([c.to_numpy(zero_copy_only=False) for c in columns])
-            if columns
-            else np.zeros(0)
-        )
+        nulls = sum(column.null_count for column in columns)
+        if nulls:
+            raise ShardError(
+                f"row_key {self.row_key!r} is null in {nulls} rows: a row without a key belongs "
+                "to no sample",
+                url=shard.url,
+            )
+        return np.concatenate([_numpy(c) for c in columns]) if columns else np.zeros(0)
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         footer = index["footer"].tobytes()
