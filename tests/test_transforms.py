@@ -14,9 +14,10 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import torch
 
 from fastload import ConfigError
-from fastload.transforms import fingerprint, versioned
+from fastload.transforms import Resize, channels_first, compose, fingerprint, versioned
 
 PREPROCESS = """
 import numpy as np
@@ -124,3 +125,23 @@ def test_what_a_fingerprint_cannot_follow() -> None:
     assert versioned_helper.fingerprint.endswith(":v3")  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="cannot fingerprint"):
         fingerprint(np.add.reduce)  # type: ignore[arg-type]
+
+
+def test_resize_refuses_channels_last_and_channels_first_puts_them_first() -> None:
+    """decode="image" gives H x W x C; Resize works on the trailing axes. Together they stretched
+    (W, C) into the new size, silently; now that is an error and channels_first is the fix."""
+    image = np.stack([np.full((48, 64), 1000 * (c + 1), np.uint16) for c in range(3)], axis=-1)
+    with pytest.raises(ConfigError, match=r"last axis of shape \(48, 64, 3\).*channels_first"):
+        Resize((32, 32))(image)
+    both = compose(channels_first, Resize((32, 32)))
+    out = both(image)
+    assert out.shape == (3, 32, 32) and [float(out[c].mean()) for c in range(3)] == [
+        1000.0,
+        2000.0,
+        3000.0,
+    ]
+    tensor = both(torch.from_numpy(image.astype(np.float32)))
+    assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (3, 32, 32)
+    volume = np.zeros((20, 40, 40), np.float32)  # slices x H x W: no channels, resized as is
+    assert Resize((10, 20, 20))(volume).shape == (10, 20, 20)
+    assert both.fingerprint != compose(Resize((32, 32))).fingerprint

@@ -32,6 +32,7 @@ __all__ = [
     "QuantileNormalize",
     "Resize",
     "Transform",
+    "channels_first",
     "compose",
     "decode_dicom",
     "decode_dicom_series",
@@ -256,7 +257,12 @@ class QuantileNormalize(_Params):
 
 @dataclass(frozen=True)
 class Resize(_Params):
-    """Resize the trailing 2 or 3 axes of an array or tensor to ``size`` (linear interpolation)."""
+    """Resize the trailing 2 or 3 axes of an array or tensor to ``size`` (linear interpolation).
+
+    The channels must come first: ``decode="image"`` gives ``H x W x C`` and ``decode="tiff"``
+    ``pages x H x W x C``, so compose :func:`channels_first` before. Stretching a trailing axis of
+    1 to 4 elements (channels) to more than 4 is refused rather than done.
+    """
 
     size: tuple[int, ...]
 
@@ -274,12 +280,30 @@ class Resize(_Params):
             raise ConfigError(
                 f"Resize{self.size} needs >= {spatial} axes, got shape {tuple(tensor.shape)}"
             )
+        if tensor.ndim > spatial and tensor.shape[-1] <= _CHANNELS < self.size[-1]:
+            raise ConfigError(
+                f"Resize{self.size} would stretch the last axis of shape {tuple(tensor.shape)}, "
+                "which looks like channels (H x W x C, as decode='image' gives): put them first, "
+                "compose(fastload.transforms.channels_first, Resize(...))"
+            )
         lead = tensor.shape[:-spatial]
         batch = tensor.reshape(1, -1, *tensor.shape[-spatial:]).float()
         mode = "bilinear" if spatial == 2 else "trilinear"
         out = torch.nn.functional.interpolate(batch, size=self.size, mode=mode, align_corners=False)
         out = out.reshape(*lead, *self.size)
         return out if isinstance(sample, torch.Tensor) else out.numpy()
+
+
+_CHANNELS = 4  # a last axis this short is channels, not an image's width
+
+
+@versioned(1)
+def channels_first(sample: Any) -> Any:
+    """``H x W x C`` to ``C x H x W`` (any array or tensor: its last axis moved to the front),
+    contiguous; what :class:`Resize` and torch's image models expect."""
+    if isinstance(sample, torch.Tensor):
+        return sample.movedim(-1, 0).contiguous()
+    return np.ascontiguousarray(np.moveaxis(np.asarray(sample), -1, 0))
 
 
 # --- decoders: object bytes -> sample ---------------------------------------------------------
