@@ -293,6 +293,38 @@ class Expensive(Dataset[Any]):
         return {"x": torch.full((3,), float(index)), "label": index % 4}
 
 
+class Resized(Dataset[Any]):
+    """A user's dataset configured by its constructor, as most are."""
+
+    def __init__(self, size: int, table: Any = None) -> None:
+        self.size, self.table = size, table
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> Any:
+        return np.full((self.size,), index, np.float32)
+
+
+def test_a_cached_dataset_s_name_follows_its_configuration(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resized(224) and Resized(256) make different samples: the cache must not hand one's
+    to the other (it did: only the class and its __getitem__ code named them)."""
+    cache = Cache(tmp_path / "c", format="npy")
+    small, large = CachedDataset(Resized(224), cache), CachedDataset(Resized(256), cache)
+    assert small[1].shape == (224,) and large[1].shape == (256,)
+    assert CachedDataset(Resized(224), cache)._cache_name(1) == small._cache_name(1)
+    assert caplog.text == ""  # constants only: nothing it cannot follow
+    with caplog.at_level(logging.WARNING):
+        CachedDataset(Resized(224, table=object()), cache)
+    assert "cannot tell when the attributes ['table'] change" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        CachedDataset(Resized(224, table=object()), cache, version="tables-2")
+    assert caplog.text == ""
+
+
 def test_cached_dataset_computes_once_across_workers_and_epochs(tmp_path: Any) -> None:
     log = str(tmp_path / "calls")
     dataset = CachedDataset(Expensive(log), Cache(tmp_path / "c", format="npy"))

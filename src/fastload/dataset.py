@@ -40,7 +40,7 @@ from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
 from fastload.sources.tar import TarShards
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
-from fastload.transforms import decoder, fingerprint, versioned
+from fastload.transforms import decoder, fingerprint, state_print, versioned
 
 __all__ = ["CachedDataset", "RemoteDataset"]
 
@@ -586,6 +586,20 @@ def _labelled(
     return manifest.with_labels(labels, key_field=label_key, label_field=label_field)
 
 
+def _dataset_print(dataset: Dataset[Any]) -> str:
+    """A wrapped dataset's fingerprint: its class, its ``__getitem__`` and its attributes."""
+    kind = type(dataset)
+    state, unseen = state_print(dataset)
+    if unseen:
+        log.warning(
+            "CachedDataset(%s): the cache cannot tell when the attributes %s change (only "
+            "constants and functions are followed): pass version= and change it with them",
+            kind.__qualname__,
+            unseen,
+        )
+    return f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}|{state}"
+
+
 def _class_folders(manifest: Manifest, keys: list[str]) -> Manifest:
     """Labels as torchvision's ImageFolder gives them: each object's class is the folder right
     under the root that holds it, at any depth (``cat/indoor/1.jpg`` is a cat); objects in no
@@ -617,8 +631,11 @@ class CachedDataset(_Batched):
 
     key: ``key(index)`` names a sample (default: its index). Give one when the order of the
         wrapped dataset can change between runs (e.g. ``lambda i: files[i]``).
-    version: bump it when the wrapped dataset's output changes; by default its class name and
-        a hash of its ``__getitem__`` code are used (edits to what that calls are not seen).
+    version: bump it when the wrapped dataset's output changes; by default its class name, its
+        ``__getitem__`` (as :func:`fastload.transforms.fingerprint` follows a function) and
+        what its attributes hold (constants, functions) are used. Attributes holding other
+        objects (a DataFrame, a transform object) cannot be followed: a warning names them,
+        and ``version`` is then how to say that they changed.
     augment: random augmentation applied after the cache on every read. The wrapped dataset
         must be deterministic: its first computed sample is computed a second time (once per
         run: main process or worker 0) and a difference is warned about, since the cache would
@@ -661,10 +678,7 @@ class CachedDataset(_Batched):
         self._length = size if limit is None else min(limit, size)
         self.counters = StageCounters(DatasetStats(), FetchStats(), cache.counters)
         self._checked_random = False
-        kind = type(dataset)
-        self.fingerprint = (
-            version or f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}"
-        )
+        self.fingerprint = version or _dataset_print(dataset)
 
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, {self.cache!r})"

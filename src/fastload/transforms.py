@@ -97,6 +97,25 @@ def fingerprint(transform: Callable[..., Any] | None) -> str:
     )
 
 
+def state_print(obj: Any) -> tuple[str, list[str]]:
+    """A digest of what ``obj``'s attributes hold where a fingerprint can follow it (constants,
+    functions, transforms), and the names of the attributes it cannot follow (objects)."""
+    followed: list[tuple[str, str]] = []
+    unseen: list[str] = []
+    for name, value in sorted(getattr(obj, "__dict__", {}).items()):
+        text = _constant(value)
+        if text is None and callable(value):
+            try:
+                text = fingerprint(value)
+            except ConfigError:
+                text = None
+        if text is None:
+            unseen.append(name)
+        else:
+            followed.append((name, text))
+    return _digest(followed), unseen
+
+
 def _function_print(function: FunctionType, seen: set[int]) -> str:
     """A plain function's fingerprint; ``seen``: the functions already on the way here."""
     code = _code_parts(function.__code__)
