@@ -99,16 +99,11 @@ def fingerprint(transform: Callable[..., Any] | None) -> str:
 
 def state_print(obj: Any) -> tuple[str, list[str]]:
     """A digest of what ``obj``'s attributes hold where a fingerprint can follow it (constants,
-    functions, transforms), and the names of the attributes it cannot follow (objects)."""
+    functions, transforms, classes), and the names of the attributes it cannot follow."""
     followed: list[tuple[str, str]] = []
     unseen: list[str] = []
     for name, value in sorted(getattr(obj, "__dict__", {}).items()):
-        text = _constant(value)
-        if text is None and callable(value):
-            try:
-                text = fingerprint(value)
-            except ConfigError:
-                text = None
+        text = _held(value, set())
         if text is None:
             unseen.append(name)
         else:
@@ -132,45 +127,59 @@ def _function_print(function: FunctionType, seen: set[int]) -> str:
 
 def _globals_read(function: FunctionType, seen: set[int]) -> list[tuple[str, str]]:
     """What the module-level names ``function`` reads hold, where a change would change its
-    output unseen: constants, and functions of its own module (their fingerprints in turn)."""
+    output unseen: constants, transforms, and functions of its own module (in turn)."""
     out = []
     for name in sorted(set(_names(function.__code__))):
-        if name not in function.__globals__:
-            continue  # a builtin, or an attribute's name
-        value = function.__globals__[name]
-        own = getattr(value, "fingerprint", None)
-        if isinstance(own, str):
-            out.append((name, own))
-        elif isinstance(value, FunctionType) and value.__module__ == function.__module__:
-            if id(value) not in seen:
-                out.append((name, _function_print(value, seen | {id(value)})))
-        else:
-            constant = _constant(value)
-            if constant is not None:
-                out.append((name, constant))
+        if name in function.__globals__:  # not a builtin, nor only an attribute's name
+            text = _followed(function.__globals__[name], seen, function.__module__)
+            if text is not None:
+                out.append((name, text))
     return out
 
 
 def _captured(function: FunctionType, name: str, value: Any, seen: set[int]) -> str:
-    """The text of what ``function``'s closure holds under ``name``: a constant, a function's
-    fingerprint, a class's or module's name; anything else cannot be followed."""
-    constant = _constant(value)
-    if constant is not None:
-        return constant
-    own = getattr(value, "fingerprint", None)
-    if isinstance(own, str):
-        return own
-    if isinstance(value, FunctionType):
-        return "" if id(value) in seen else _function_print(value, seen | {id(value)})
+    """The text of what ``function``'s closure holds under ``name``; ConfigError for what a
+    fingerprint cannot follow."""
+    text = _held(value, seen)
+    if text is None:
+        raise ConfigError(
+            f"cannot fingerprint {function.__qualname__}: it holds {name}="
+            f"{type(value).__name__} (not a constant; its repr would differ from run to run, "
+            "or hide a change): give the function a version with "
+            "@fastload.transforms.versioned(...)"
+        )
+    return text
+
+
+def _held(value: Any, seen: set[int]) -> str | None:
+    """The text of a value held by a closure or an object: what :func:`_followed` gives, a
+    builtin's or a class's or module's name; None for anything else."""
+    text = _followed(value, seen, None)
+    if text is not None:
+        return text
     if isinstance(value, ModuleType):
         return f"module {value.__name__}"
     if isinstance(value, type):
         return f"class {value.__module__}.{value.__qualname__}"
-    raise ConfigError(
-        f"cannot fingerprint {function.__qualname__}: it holds {name}={type(value).__name__} "
-        "(not a constant; its repr would differ from run to run, or hide a change): give the "
-        "function a version with @fastload.transforms.versioned(...)"
-    )
+    if callable(value):
+        try:
+            return fingerprint(value)  # a builtin
+        except ConfigError:
+            return None
+    return None
+
+
+def _followed(value: Any, seen: set[int], home: str | None) -> str | None:
+    """The text of a value a function uses: a transform's fingerprint, a function's (one of
+    module ``home``, or any when None), or a constant's; None for anything else."""
+    own = getattr(value, "fingerprint", None)
+    if isinstance(own, str):
+        return own
+    if isinstance(value, FunctionType):
+        if home is not None and value.__module__ != home:
+            return None
+        return "" if id(value) in seen else _function_print(value, seen | {id(value)})
+    return _constant(value)
 
 
 def _names(code: CodeType) -> list[str]:
