@@ -2,10 +2,10 @@
 
 ``decode`` receives a row as ``{column: value}`` (numbers as numpy scalars, list columns as
 numpy arrays, strings as str; a null is None, NaN in a floating-point column, NaT in a time
-column); with ``decode=None`` the row is the sample. With ``row_key``
-(e.g. ``"event_id"``, when an event's pulses are consecutive rows) each run of rows sharing a
-value of that column is one sample, ``{column: array of its rows}``; a file in which a value
-comes back later (not sorted by it) is an error naming the value, never two samples.
+column); with ``decode=None`` the row is the sample. With ``row_key`` (e.g. ``"event_id"``,
+when an event's pulses are consecutive rows) each run of rows sharing a value of that column is
+one sample, ``{column: array of its rows}``; a file in which a value comes back later (not
+sorted by it) is an error naming the value, never two samples, and so is a null key.
 
 Indexing a file reads its footer (one suffix read, two for a large footer) and, with
 ``row_key``, that column's chunks only; the index is kept in the dataset's cache by the file's
