@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -376,6 +377,23 @@ def test_with_workers_the_workers_fetch_ahead_themselves(
     assert 0 < total.fetch.objects <= 48
     made_ahead = total.cache.hits + total.cache.waits  # a batch read what a lookahead made
     assert made_ahead >= 4
+
+
+def test_the_shuffle_follows_seed_and_says_so_when_a_generator_is_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torch's RandomSampler draws from the loader's generator; ours cannot (every rank must
+    draw one order to split it), so a user who seeds a generator for another order is told."""
+    data = list(range(64))
+
+    def order(**kwargs: Any) -> list[int]:
+        loader = fastload.DataLoader(data, batch_size=64, shuffle=True, num_workers=0, **kwargs)
+        return [int(i) for i in next(iter(loader))]
+
+    with caplog.at_level(logging.WARNING):
+        seeded = order(generator=torch.Generator().manual_seed(7))
+    assert "follows seed=0, not generator=" in caplog.text
+    assert seeded == order() and order(seed=7) != order()
 
 
 class Prefetching(Dataset[int]):

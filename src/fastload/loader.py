@@ -63,7 +63,9 @@ class DataLoader(tud.DataLoader[Any]):
     - map-style datasets get a :class:`fastload.PermutationSampler` (``shuffle`` and ``seed``),
       sharded over torch.distributed / torch_xla ranks, so no rank ever gets zero samples; with
       ``shuffle=True`` each new pass takes the next epoch's order, as torch's loader reshuffles
-      (an explicit :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch instead);
+      (an explicit :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch instead). The
+      order follows ``seed``, not ``generator`` (which still seeds the workers), so that every
+      rank draws the same order to split: a warning says so when both are given;
     - ``num_workers``: :func:`default_workers`; with 0, batches load in a background thread
       (``background=True``) so loading overlaps the training step, and are collated as
       ``default_collate`` would, numeric arrays stacked by numpy (see
@@ -124,6 +126,12 @@ class DataLoader(tud.DataLoader[Any]):
             if not hasattr(dataset, "__len__"):
                 raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
             blocks = getattr(dataset, "blocks", None) if shuffle else None
+            if shuffle and generator is not None:
+                log.warning(
+                    "DataLoader: the shuffled order follows seed=%d, not generator= (every rank "
+                    "must draw the same order to split it); pass seed= for another order",
+                    seed,
+                )
             sampler = PermutationSampler(
                 len(dataset),
                 shuffle=bool(shuffle),
