@@ -396,6 +396,38 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
         RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)
 
 
+def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    """`warm-cache --shards parquet --row-key event_id` caches the samples a training dataset
+    with row_key="event_id" reads: without --row-key the CLI cached rows, which training never
+    asks for."""
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/cli-runs-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    objects = {}
+    for f in range(2):
+        out = io.BytesIO()
+        pq.write_table(pulses(f * 50, 50), out, row_group_size=64)
+        objects[f"events/batch_{f}.parquet"] = out.getvalue()
+    write(root, options, objects)
+    cache_dir = str(tmp_path / "c")
+    done = cli(
+        "warm-cache", f"{root}/events", "--cache-dir", cache_dir, "--shards", "parquet",
+        "--row-key", "event_id", "--json", *options_args(options),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["samples"] == 100
+    events = RemoteDataset(
+        f"{root}/events", shards="parquet", row_key="event_id", cache=Cache(cache_dir),
+        storage_options=options,
+    )  # fmt: skip
+    assert sorted(int(events[i]["event_id"][0]) for i in range(len(events))) == list(range(100))
+    assert events.fetcher.counters.requests == 0  # the indexes and every event: from the cache
+
+
 def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
     moto: S3Server,
 ) -> None:

@@ -201,6 +201,13 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         str | None,
         typer.Option(help="tar or parquet: many samples inside each object, read in place."),
     ] = None,
+    row_key: Annotated[
+        str | None,
+        typer.Option(
+            help="With --shards parquet: the column whose runs of rows are one sample (as "
+            "training gives it: the cached samples are named by it)."
+        ),
+    ] = None,
     labels: Annotated[
         str | None,
         typer.Option(
@@ -282,6 +289,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             group_by=group_by,
             incomplete=incomplete,  # type: ignore[arg-type]  # checked above
             shards=shards,  # type: ignore[arg-type]  # checked above
+            row_key=row_key,
             labels=labels,
             label_key=label_key,
             label_field=label_field,
