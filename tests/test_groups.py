@@ -15,7 +15,7 @@ import tifffile
 import torch
 
 import fastload
-from fastload import Cache, ConfigError, ObjectNotFoundError, RemoteDataset
+from fastload import Cache, ConfigError, DecodeError, ObjectNotFoundError, RemoteDataset
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
@@ -350,6 +350,35 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
         assert label == 1 - i
     single = RemoteDataset(root, decode="dicom", storage_options=options, limit=1)
     assert single[0].shape == (8, 9)
+
+
+def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
+    """A subject folder holding a T1 and a T2 series, or one series of two echoes at each
+    position: sorted by position, their slices interleaved into a volume that is none of them."""
+    root = f"s3://{BUCKET}/not-one-volume-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    value = np.arange(8 * 9, dtype=np.uint16).reshape(8, 9)
+    objects = {}
+    for s, series in enumerate(("1.2.826.0.1.1", "1.2.826.0.1.2")):
+        for z in range(3):
+            objects[f"sub-01/s{s}-IM{z}.dcm"] = ct_slice(
+                value, z=2.5 * z, instance=z + 1, series=series
+            )
+        for echo in range(2):  # two echoes at each position, one series
+            objects[f"sub-02/e{echo}-s{s}.dcm"] = ct_slice(
+                value, z=2.5 * s, instance=2 * s + echo + 1, series="1.2.826.0.1.9"
+            )
+    for z in range(3):  # one series: stacks as before
+        objects[f"sub-03/IM{z}.dcm"] = ct_slice(value, z=2.5 * z, instance=z + 1, series="1.2.3")
+    write(root, options, objects)
+    dataset = RemoteDataset(
+        root, group_by=r"^(sub-\d+)/", decode="dicom-series", storage_options=options
+    )
+    with pytest.raises(DecodeError, match=r"holds 2 DICOM series .*group the files by series"):
+        dataset[0]
+    with pytest.raises(DecodeError, match=r"e0-s0\.dcm and .*e1-s0\.dcm are at one position"):
+        dataset[1]
+    assert dataset[2].shape == (3, 8, 9)
 
 
 def test_a_saved_manifest_keeps_the_grouping(

@@ -5,11 +5,15 @@ are applied (CT in Hounsfield units), giving ``float32`` when they change anythi
 stored integer type otherwise. A multi-frame file is ``frames x H x W``; a series is sorted by
 slice position along the slice normal (``ImagePositionPatient`` on the cross product of
 ``ImageOrientationPatient``), else by ``InstanceNumber``, and stacked to ``slices x H x W``.
+Files of several series in one group (a T1 and a T2 in one folder), or two slices at one
+position (echoes, time points: several volumes in one series), are a DecodeError: sorted by
+position they would interleave into one volume that is none of them.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +57,7 @@ def dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
         raise DecodeError("a DICOM series with no files")
     slices = [(key, _read(body, f"{key}: ")) for key, body in members.items()]
     slices.sort(key=lambda item: _position(item[1], item[0]))
+    _one_volume(slices)
     volume = [_pixels(ds, f"{key}: ") for key, ds in slices]
     first = volume[0].shape
     odd = next((key for (key, _), v in zip(slices, volume, strict=True) if v.shape != first), None)
@@ -61,13 +66,39 @@ def dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
     return np.stack(volume)
 
 
+def _one_volume(slices: list[tuple[str, Any]]) -> None:
+    """Refuse what would stack into a volume that is none of the series' (see the module)."""
+    series = {str(ds.SeriesInstanceUID) for _, ds in slices if "SeriesInstanceUID" in ds}
+    if len(series) > 1:
+        raise DecodeError(
+            f"the group holds {len(series)} DICOM series (SeriesInstanceUID differs between "
+            f"its files, e.g. {slices[0][0]} and {slices[-1][0]}): group the files by series"
+        )
+    placed = [(key, at) for key, ds in slices if (at := _along_normal(ds)) is not None]
+    for (key, here), (other, there) in itertools.pairwise(placed):
+        if abs(here - there) < _SAME_MM:
+            raise DecodeError(
+                f"{key} and {other} are at one position ({here:g} mm along the slice normal): "
+                "a series of several volumes (echoes, time points) does not stack as one; "
+                "decode it with your own function"
+            )
+
+
+_SAME_MM = 1e-4  # slice positions closer than this are one position
+
+
 def _position(ds: Any, key: str) -> tuple[float, float, str]:
     """Sort key of a slice: distance along the slice normal, instance number, then its key."""
     instance = float(getattr(ds, "InstanceNumber", 0) or 0)
+    return (_along_normal(ds) or 0.0, instance, key)
+
+
+def _along_normal(ds: Any) -> float | None:
+    """The slice's distance along its normal, or None when its position is not given."""
     try:
         orientation = np.asarray(ds.ImageOrientationPatient, dtype=np.float64)
         origin = np.asarray(ds.ImagePositionPatient, dtype=np.float64)
+        normal = np.cross(orientation[:3], orientation[3:])
+        return float(origin @ normal)
     except (AttributeError, ValueError, TypeError):
-        return (0.0, instance, key)
-    normal = np.cross(orientation[:3], orientation[3:])
-    return (float(origin @ normal), instance, key)
+        return None

@@ -12,10 +12,17 @@ __all__ = ["ct_slice"]
 
 
 def ct_slice(
-    value: np.ndarray, *, z: float, instance: int, slope: float = 1.0, intercept: float = -1024.0
+    value: np.ndarray,
+    *,
+    z: float,
+    instance: int,
+    slope: float = 1.0,
+    intercept: float = -1024.0,
+    series: str | None = None,
 ) -> bytes:
     """One CT slice: 16-bit stored ``value`` at height ``z`` (axial orientation), with a
-    rescale ``slope`` and ``intercept`` (modality units = stored * slope + intercept)."""
+    rescale ``slope`` and ``intercept`` (modality units = stored * slope + intercept), in the
+    series whose SeriesInstanceUID is ``series`` (none when None)."""
     dataset = import_extra("pydicom.dataset", extra="dicom", feature="fastload.testing.ct_slice")
     uid = import_extra("pydicom.uid", extra="dicom", feature="fastload.testing.ct_slice")
     meta = dataset.FileMetaDataset()
@@ -25,6 +32,8 @@ def ct_slice(
     ds = dataset.FileDataset("slice", {}, file_meta=meta, preamble=b"\0" * 128)
     ds.SOPClassUID, ds.SOPInstanceUID = uid.CTImageStorage, meta.MediaStorageSOPInstanceUID
     ds.Modality, ds.InstanceNumber = "CT", instance
+    if series is not None:
+        ds.SeriesInstanceUID = series
     ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
     ds.ImagePositionPatient = [0.0, 0.0, z]
     ds.Rows, ds.Columns = value.shape
