@@ -353,8 +353,9 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
 
 
 def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
-    """A subject folder holding a T1 and a T2 series, or one series of two echoes at each
-    position: sorted by position, their slices interleaved into a volume that is none of them."""
+    """A subject folder holding a T1 and a T2 series, one series of two echoes at each
+    position, or a series with its localizer: sorted by position, their slices interleaved into
+    a volume that is none of them."""
     root = f"s3://{BUCKET}/not-one-volume-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
     value = np.arange(8 * 9, dtype=np.uint16).reshape(8, 9)
@@ -370,6 +371,11 @@ def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
             )
     for z in range(3):  # one series: stacks as before
         objects[f"sub-03/IM{z}.dcm"] = ct_slice(value, z=2.5 * z, instance=z + 1, series="1.2.3")
+    for z in range(3):  # and a localizer of the same size, facing sideways
+        objects[f"sub-04/IM{z}.dcm"] = ct_slice(value, z=2.5 * z, instance=z + 1, series="1.2.4")
+    objects["sub-04/scout.dcm"] = ct_slice(
+        value, z=0.0, instance=9, series="1.2.4", orientation=(0, 1, 0, 0, 0, -1)
+    )
     write(root, options, objects)
     dataset = RemoteDataset(
         root, group_by=r"^(sub-\d+)/", decode="dicom-series", storage_options=options
@@ -379,6 +385,8 @@ def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
     with pytest.raises(DecodeError, match=r"e0-s0\.dcm and .*e1-s0\.dcm are at one position"):
         dataset[1]
     assert dataset[2].shape == (3, 8, 9)
+    with pytest.raises(DecodeError, match=r"scout\.dcm faces another way .*a localizer"):
+        dataset[3]
 
 
 def test_a_saved_manifest_keeps_the_grouping(

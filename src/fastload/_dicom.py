@@ -5,9 +5,10 @@ are applied (CT in Hounsfield units), giving ``float32`` when they change anythi
 stored integer type otherwise. A multi-frame file is ``frames x H x W``; a series is sorted by
 slice position along the slice normal (``ImagePositionPatient`` on the cross product of
 ``ImageOrientationPatient``), else by ``InstanceNumber``, and stacked to ``slices x H x W``.
-Files of several series in one group (a T1 and a T2 in one folder), or two slices at one
-position (echoes, time points: several volumes in one series), are a DecodeError: sorted by
-position they would interleave into one volume that is none of them.
+Files of several series in one group (a T1 and a T2 in one folder), a slice facing another way
+(a localizer), or two slices at one position (echoes, time points: several volumes in one
+series) are a DecodeError: sorted by position they would interleave into one volume that is
+none of them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ def _one_volume(slices: list[tuple[str, Any]]) -> None:
             f"the group holds {len(series)} DICOM series (SeriesInstanceUID differs between "
             f"its files, e.g. {slices[0][0]} and {slices[-1][0]}): group the files by series"
         )
+    facing = [(key, _orientation(ds)) for key, ds in slices]
+    known = [(key, o) for key, o in facing if o is not None]
+    odd = next((key for key, o in known if not np.allclose(o, known[0][1], atol=1e-4)), None)
+    if odd is not None:
+        raise DecodeError(
+            f"{odd} faces another way than {known[0][0]} (ImageOrientationPatient differs: a "
+            "localizer or a reformat in the series?): it is not a slice of the same volume"
+        )
     placed = [(key, at) for key, ds in slices if (at := _along_normal(ds)) is not None]
     for (key, here), (other, there) in itertools.pairwise(placed):
         if abs(here - there) < _SAME_MM:
@@ -95,10 +104,20 @@ def _position(ds: Any, key: str) -> tuple[float, float, str]:
 
 def _along_normal(ds: Any) -> float | None:
     """The slice's distance along its normal, or None when its position is not given."""
+    orientation = _orientation(ds)
     try:
-        orientation = np.asarray(ds.ImageOrientationPatient, dtype=np.float64)
         origin = np.asarray(ds.ImagePositionPatient, dtype=np.float64)
-        normal = np.cross(orientation[:3], orientation[3:])
-        return float(origin @ normal)
     except (AttributeError, ValueError, TypeError):
         return None
+    if orientation is None or origin.shape != (3,):
+        return None
+    return float(origin @ np.cross(orientation[:3], orientation[3:]))
+
+
+def _orientation(ds: Any) -> np.ndarray | None:
+    """The slice's row and column directions (6 numbers), or None when not given."""
+    try:
+        orientation = np.asarray(ds.ImageOrientationPatient, dtype=np.float64)
+    except (AttributeError, ValueError, TypeError):
+        return None
+    return orientation if orientation.shape == (6,) else None

@@ -19,10 +19,12 @@ def ct_slice(
     slope: float = 1.0,
     intercept: float = -1024.0,
     series: str | None = None,
+    orientation: tuple[float, ...] = (1, 0, 0, 0, 1, 0),
 ) -> bytes:
     """One CT slice: 16-bit stored ``value`` at height ``z`` (axial orientation), with a
     rescale ``slope`` and ``intercept`` (modality units = stored * slope + intercept), in the
-    series whose SeriesInstanceUID is ``series`` (none when None)."""
+    series whose SeriesInstanceUID is ``series`` (none when None), facing ``orientation``
+    (ImageOrientationPatient: axial by default)."""
     dataset = import_extra("pydicom.dataset", extra="dicom", feature="fastload.testing.ct_slice")
     uid = import_extra("pydicom.uid", extra="dicom", feature="fastload.testing.ct_slice")
     meta = dataset.FileMetaDataset()
@@ -34,7 +36,7 @@ def ct_slice(
     ds.Modality, ds.InstanceNumber = "CT", instance
     if series is not None:
         ds.SeriesInstanceUID = series
-    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImageOrientationPatient = list(orientation)
     ds.ImagePositionPatient = [0.0, 0.0, z]
     ds.Rows, ds.Columns = value.shape
     ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
