@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from fastload import ConfigError
-from fastload.transforms import Resize, channels_first, compose, fingerprint, versioned
+from fastload.transforms import (
+    QuantileNormalize,
+    Resize,
+    channels_first,
+    compose,
+    fingerprint,
+    versioned,
+)
 
 PREPROCESS = """
 import numpy as np
@@ -146,3 +153,18 @@ def test_resize_refuses_channels_last_and_channels_first_puts_them_first() -> No
     volume = np.zeros((20, 40, 40), np.float32)  # slices x H x W: no channels, resized as is
     assert Resize((10, 20, 20))(volume).shape == (10, 20, 20)
     assert both.fingerprint != compose(Resize((32, 32))).fingerprint
+
+
+def test_quantile_normalize_leaves_a_masked_background_out() -> None:
+    """A volume whose background is NaN (skull-stripped, masked): np.percentile gave NaN
+    percentiles, so every voxel came out NaN. The NaNs are now left out of the estimate and
+    stay NaN; a volume without NaN is normalised exactly as before."""
+    volume = np.random.default_rng(0).normal(100, 20, (16, 32, 32)).astype(np.float32)
+    low, high = np.percentile(volume[::4, ::4, ::4], [0.5, 99.5])
+    plain = QuantileNormalize()(volume)
+    np.testing.assert_allclose(plain, np.clip((volume - low) / (high - low), 0, 1), atol=1e-6)
+    masked = volume.copy()
+    masked[:, :8] = np.nan
+    out = QuantileNormalize()(masked)
+    assert np.isnan(out[:, :8]).all() and np.isfinite(out[:, 8:]).all()
+    assert float(out[:, 8:].min()) == 0.0 and float(out[:, 8:].max()) == 1.0

@@ -259,6 +259,7 @@ class QuantileNormalize(_Params):
 
     The percentiles are estimated on every ``stride``-th element along each axis (stride 4 on
     a 3-D volume reads 1/64 of it), which is what makes this affordable on 200 MB volumes.
+    NaN elements (a masked background) are left out of the estimate and stay NaN.
     """
 
     low: float = 0.5
@@ -275,7 +276,8 @@ class QuantileNormalize(_Params):
     def __call__(self, sample: Any) -> Any:
         array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
         probe = array[(slice(None, None, self.stride),) * array.ndim]
-        lo, hi = np.percentile(probe, [self.low, self.high])
+        masked = probe.dtype.kind in "fc" and bool(np.isnan(probe).any())
+        lo, hi = (np.nanpercentile if masked else np.percentile)(probe, [self.low, self.high])
         scale = 1.0 / (hi - lo) if hi > lo else 0.0
         out = (array.astype(np.float32, copy=False) - np.float32(lo)) * np.float32(scale)
         if self.clip:
