@@ -155,6 +155,20 @@ def npy_member(sample: dict[str, Any]) -> Any:
     return sample["npy"]
 
 
+def npy_images(root: str, options: dict[str, Any], **kwargs: Any) -> RemoteDataset:
+    """The tar dataset's images alone, in a few chunks per shard."""
+    chunks = ChunkConfig(chunk_bytes=150_000)
+    return RemoteDataset(
+        f"{root}/train", shards="tar", decode=DECODE, transform=npy_member, chunks=chunks,
+        storage_options=options, **kwargs,
+    )  # fmt: skip
+
+
+def image_numbers(loader: fastload.DataLoader) -> list[int]:
+    """Which samples an epoch of ``npy_images`` batches held (``image(n)`` starts at n)."""
+    return sorted(int(b[i, 0, 0]) - 40_000 for b in loader for i in range(len(b)))
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_tar_shards_with_workers_the_workers_cache_ahead_themselves(
     seaweed: S3Server, tmp_path: Any, workers: int
@@ -165,21 +179,14 @@ def test_tar_shards_with_workers_the_workers_cache_ahead_themselves(
     root = f"s3://{BUCKET}/shards-ahead-{uuid.uuid4().hex[:8]}"
     tar_dataset(root, seaweed.storage_options())
     with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
-        dataset = RemoteDataset(
-            f"{root}/train",
-            shards="tar",
-            decode=DECODE,
-            transform=npy_member,
-            chunks=ChunkConfig(chunk_bytes=150_000),
-            cache=Cache(tmp_path, format="npy"),
-            storage_options=seaweed.storage_options(proxy.endpoint),
-        )
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = npy_images(root, options, cache=Cache(tmp_path, format="npy"))
         indexed = dataset.counters.drain()
         assert indexed.fetch.requests >= SHARDS  # the headers, read here
         loader = fastload.DataLoader(
             dataset, batch_size=5, shuffle=True, num_workers=workers, prefetch_factor=1
         )
-        values = sorted(int(b[i, 0, 0]) - 40_000 for b in loader for i in range(len(b)))
+        values = image_numbers(loader)
     assert values == list(range(SHARDS * PER_SHARD))
     assert dataset.counters.fetch.requests == 0 and dataset.counters.cache.writes == 0
     assert len(Cache(tmp_path, format="npy")) == SHARDS * PER_SHARD + SHARDS  # and the indexes
@@ -496,21 +503,14 @@ def test_workers_read_chunks_themselves_when_the_scratch_cache_cannot_be_written
     root = f"s3://{BUCKET}/shards-noscratch-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
     tar_dataset(root, options)
-    dataset = RemoteDataset(
-        f"{root}/train",
-        shards="tar",
-        decode=DECODE,
-        transform=npy_member,
-        chunks=ChunkConfig(chunk_bytes=150_000),
-        storage_options=options,
-    )
+    dataset = npy_images(root, options)
     scratch: Path = dataset.source.reader.shared.root  # type: ignore[attr-defined]
     shutil.rmtree(scratch)
     scratch.write_text("in the way")
     try:
         with caplog.at_level(logging.WARNING):
             loader = fastload.DataLoader(dataset, batch_size=5, shuffle=True, num_workers=2)
-            values = sorted(int(b[i, 0, 0]) - 40_000 for b in loader for i in range(len(b)))
+            values = image_numbers(loader)
     finally:
         scratch.unlink()
     assert values == list(range(SHARDS * PER_SHARD))
