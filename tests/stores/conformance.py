@@ -168,7 +168,11 @@ class ManifestConformance:
         data = {key: key.encode() for key in DIRECTORY_SHAPES}
         if case.root.startswith("file://"):
             del data["P2"]  # a local folder cannot also be a file
-        case.write(data)
+        # "P2" is also a directory. SeaweedFS 4.48 loses the object "P2" in about 1 of 100
+        # writes made at the same time as one of "P2/..." (a server race, seen with s3fs's
+        # own find; it failed CI once), so it is written once the directory exists.
+        case.write({k: v for k, v in data.items() if k != "P2"})
+        case.write({k: v for k, v in data.items() if k == "P2"})
         points: list[str] = []
         split_points = _listing._split_points
 
@@ -179,7 +183,12 @@ class ManifestConformance:
 
         monkeypatch.setattr(_listing, "_split_points", recorded)
         parallel = Manifest.build(case.root, storage_options=case.read_options)
-        assert parallel.keys() == sorted(data)
+        listed = parallel.keys()
+        assert listed == sorted(data), (
+            sorted(set(data) - set(listed))[:10],
+            sorted(set(listed) - set(data))[:10],
+            sorted(points)[:40],
+        )
         assert [entry.size for entry in parallel] == [len(data[k]) for k in sorted(data)]
         root = parse_url(case.root)
         lister = open_store(root, case.read_options).lister(root.bucket)
