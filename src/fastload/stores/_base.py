@@ -143,11 +143,10 @@ class Listed:
 
 @dataclass
 class Stream:
-    """A listing cursor that cannot resume once it failed (an obstore stream): where it stands
-    and whether it broke; the lister then goes on another way from ``last``."""
+    """A listing cursor that cannot resume once it failed (an obstore stream), and whether it
+    broke; the lister then lists its range again another way."""
 
     stream: Any
-    last: str | None
     broken: bool = False
 
 

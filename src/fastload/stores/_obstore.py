@@ -202,6 +202,11 @@ class _ObstorePages:
     obstore renames some keys (a ``sub/`` marker comes back as ``sub``) and refuses others
     (``a//b``, ``./c``, control characters): a page holding an empty object, or one obstore
     cannot parse, is asked for again through botocore, which then lists the rest of the range.
+
+    A stream cannot resume after a failure, and resuming "after the last key listed" is not
+    safe on a server that orders keys as a file tree: after ``P2`` it skips all of ``P2/``.
+    So botocore lists the range again from its start (``start_after``, a point already shown
+    safe); the keys listed twice are kept once, by value (see :mod:`fastload.stores._listing`).
     """
 
     tree_ordered = True
@@ -217,14 +222,14 @@ class _ObstorePages:
         if not isinstance(token, Stream | None):  # this range went through botocore
             return await self.general.page(prefix, start_after, token, limit)
         if token is not None and token.broken:
-            return await self.general.page(prefix, token.last or start_after, None, limit)
+            return await self.general.page(prefix, start_after, None, limit)
         directory = prefix.rstrip("/") or None
         if not readable(directory or "x") or not readable(start_after or "x"):
             return await self.general.page(prefix, start_after, None, limit)
         # whole pages always: the stream keeps its chunk size for every page it gives, and a
         # range probed with a small first page would go on 100 keys at a time
         cursor = token or Stream(
-            _obstore().list(self.store, directory, offset=start_after, chunk_size=PAGE), None
+            _obstore().list(self.store, directory, offset=start_after, chunk_size=PAGE)
         )
         try:
             rows = await _next_page(cursor.stream)
@@ -233,12 +238,11 @@ class _ObstorePages:
                 raise  # a first page is simply asked for again
             # a key obstore cannot parse, or a stream that failed midway (it cannot resume)
             cursor.broken = True
-            return await self.general.page(prefix, cursor.last or start_after, None, limit)
+            return await self.general.page(prefix, start_after, None, limit)
         if rows is None:
             return [], None
         if any(e.size == 0 for e in rows):  # a marker, or a key obstore renamed
-            return await self.general.page(prefix, cursor.last or start_after, None, limit)
-        cursor.last = rows[-1].key if rows else cursor.last
+            return await self.general.page(prefix, start_after, None, limit)
         return rows, cursor
 
 
