@@ -240,6 +240,23 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with pytest.raises(ShardError, match=r"'a\.bin' is a sparse file.*b\.tar"):
         RemoteDataset(root, shards="tar", storage_options=options)
 
+    linked = io.BytesIO()  # tar stores a second name of one file (a hard link) as a link
+    with tarfile.open(fileobj=linked, mode="w") as tar:
+        kinds = {"a.jpg": tarfile.REGTYPE, "b.cls": tarfile.REGTYPE}
+        for name, kind in [*kinds.items(), ("b.jpg", tarfile.LNKTYPE), ("c.jpg", tarfile.SYMTYPE)]:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, "" if kind == tarfile.REGTYPE else "a.jpg"
+            info.size = 1 if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(b"x") if kind == tarfile.REGTYPE else None)
+    write(root, options, {"b.tar": linked.getvalue()})
+    with pytest.raises(ShardError, match=r"sample 'b': member 'b\.jpg' is a link.*b\.tar"):
+        RemoteDataset(root, shards="tar", storage_options=options)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+    assert len(dataset) == 11  # a.tar's 10 and b.tar's a; b and c left out, and named
+    assert "'b.jpg' is a link" in caplog.text and "'c.jpg' is a link" in caplog.text
+
     write(root, options, {"b.tar": tar_shard(10, 10)})
     no_room = ChunkConfig(memory_bytes=1000)  # nothing kept from indexing: reads go to the store
     dataset = RemoteDataset(root, shards="tar", chunks=no_room, storage_options=options)

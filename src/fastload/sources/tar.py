@@ -30,7 +30,7 @@ __all__ = ["TarShards"]
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "tar-index/1"
+INDEX_VERSION = "tar-index/2"  # 2: link members are kept (size -1), never dropped
 _BLOCK = tarfile.BLOCKSIZE
 _BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the first dot of the name
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
@@ -64,7 +64,7 @@ class TarShards(Shards):
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
         header, data, size, crc = (index[k].tolist() for k in ("header", "data", "size", "crc"))
         chunk = (-1, 0, 0)  # first sample, start, end
-        for key, members in self._samples_of(entry, names):
+        for key, members in self._samples_of(entry, names, size):
             start = header[members[0][1]]
             end = max(data[i] + size[i] for _, i in members)
             first, chunk_start, chunk_end = chunk
@@ -87,7 +87,7 @@ class TarShards(Shards):
             self._chunk(shard, *chunk)
 
     def _samples_of(
-        self, entry: Entry, names: list[str]
+        self, entry: Entry, names: list[str], sizes: list[int]
     ) -> list[tuple[str, list[tuple[str, int]]]]:
         """The shard's samples: runs of members sharing a key, as (key, [(extension, member)])."""
         runs: list[tuple[str, list[tuple[str, int]]]] = []
@@ -104,7 +104,15 @@ class TarShards(Shards):
         good, seen = [], set()
         for key, members in runs:
             exts = [ext for ext, _ in members]
-            if len(set(exts)) < len(exts):
+            links = [names[i] for _, i in members if sizes[i] < 0]
+            if links:
+                self._bad(
+                    entry,
+                    f"sample {key!r}: member {links[0]!r} is a link, which holds no bytes of "
+                    "its own to read in place (write the shard with links resolved: "
+                    "tar --hard-dereference, or -h for symbolic links)",
+                )
+            elif len(set(exts)) < len(exts):
                 self._bad(entry, f"sample {key!r} has two members named alike: {exts}")
             elif key in seen:  # one name, two samples: they would share a cache entry
                 self._bad(entry, f"sample {key!r} comes twice (its members are not adjacent)")
@@ -136,8 +144,8 @@ class TarShards(Shards):
 def _read_headers(
     shard: Entry, fetcher: Fetcher, keep: int
 ) -> tuple[dict[str, np.ndarray], bytes | memoryview]:
-    """The regular members of one tar shard (name, header and data offsets, size, header crc),
-    and the bytes read from its start on, up to ``keep`` of them."""
+    """The regular members of one tar shard (name, header and data offsets, size, header crc)
+    and its links (size -1), and the bytes read from its start on, up to ``keep`` of them."""
     file = _RangedFile(shard, fetcher, keep)
     names: list[str] = []
     header: list[int] = []
@@ -147,6 +155,13 @@ def _read_headers(
     try:
         with tarfile.open(fileobj=file, mode="r:") as tar:  # type: ignore[call-overload]
             while (member := tar.next()) is not None:
+                if member.islnk() or member.issym():  # a sample's member without its bytes
+                    names.append(member.name)
+                    header.append(member.offset)
+                    data.append(member.offset_data)
+                    size.append(-1)
+                    crc.append(0)
+                    continue
                 if not member.isfile():
                     continue
                 if member.issparse():  # its bytes in the shard are not the file's
