@@ -257,6 +257,20 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     assert len(dataset) == 11  # a.tar's 10 and b.tar's a; b and c left out, and named
     assert "'b.jpg' is a link" in caplog.text and "'c.jpg' is a link" in caplog.text
 
+    cased = io.BytesIO()  # extensions are lowercased, as WebDataset does
+    with tarfile.open(fileobj=cased, mode="w") as tar:
+        for name in ("a.JPG", "a.Cls", "b.JPG", "b.jpg"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    write(root, options, {"b.tar": cased.getvalue()})
+    with pytest.raises(
+        ShardError, match=r"sample 'b' has two members named alike: \['jpg', 'jpg'\]"
+    ):
+        RemoteDataset(root, shards="tar", storage_options=options)
+    dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+    assert dataset[10] == {"jpg": b"x", "cls": b"x"}
+
     write(root, options, {"b.tar": tar_shard(10, 10)})
     no_room = ChunkConfig(memory_bytes=1000)  # nothing kept from indexing: reads go to the store
     dataset = RemoteDataset(root, shards="tar", chunks=no_room, storage_options=options)
@@ -268,6 +282,31 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         dataset[3]
     with pytest.raises(ConfigError, match=r"no parquet shards .*keys look like .*a\.tar"):
         RemoteDataset(root, shards="parquet", storage_options=options)
+
+
+def test_a_fixed_reader_makes_cached_samples_again(
+    b2: B2Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader that gives other samples for the same shard (a bug fixed, extensions
+    # lowercased) changes its version; cached samples made by the old one are not served.
+    root = f"b2://{BUCKET}/fixed-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+    write(root, options, {"a.tar": tar_shard(0, 5)})
+    cache = Cache(tmp_path / "c", format="npy")
+
+    def read_one() -> tuple[int, int]:
+        """Cache hits and writes of a new dataset reading sample 3 (its index, then it)."""
+        hits, writes = cache.counters.hits, cache.counters.writes
+        dataset = RemoteDataset(
+            root, shards="tar", decode=DECODE, cache=cache, storage_options=options
+        )
+        assert dataset[3]["meta.json"] == {"n": 3}
+        return cache.counters.hits - hits, cache.counters.writes - writes
+
+    assert read_one() == (0, 2)
+    assert read_one() == (2, 0)  # the same reader: both from the cache
+    monkeypatch.setattr(fastload.sources.tar.TarShards, "index_version", "tar-index/next")
+    assert read_one() == (0, 2)
 
 
 def events(first: int, count: int) -> pa.Table:

@@ -360,6 +360,8 @@ class RemoteDataset(_Batched):
         self._storage_options = dict(storage_options or {})
         self._fresh: dict[int, Sample] = {}  # samples refreshed to their objects' new versions
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
+        if self.source.reader_version:  # a fixed reader makes its samples again
+            self.fingerprint += f"|{self.source.reader_version}"
         self.counters = StageCounters(
             DatasetStats(), self.fetcher.counters, CacheStats() if cache is None else cache.counters
         )

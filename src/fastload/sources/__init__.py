@@ -70,6 +70,11 @@ class SampleSource(Protocol):
         without a :class:`Sample` each (a warm batch needs only their cache names)."""
 
     @property
+    def reader_version(self) -> str:
+        """Part of every sample's cache name: changes when what ``read`` gives for an unchanged
+        object does ("" where that is the object's bytes)."""
+
+    @property
     def blocks(self) -> np.ndarray | None:
         """The first sample of each chunk read as one (None: samples are read one by one)."""
 

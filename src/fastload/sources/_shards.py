@@ -37,7 +37,7 @@ class Shards:
 
     suffixes: tuple[str, ...]
     kind: str
-    index_version: str
+    index_version: str  # of the index kept in the cache, and of what a sample holds
     classes: tuple[str, ...] | None = None
 
     def __init__(
@@ -82,6 +82,7 @@ class Shards:
                 f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
             )
         self.blocks = np.asarray(self._firsts, dtype=np.int64)
+        self.reader_version = self.index_version
         self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
         for chunk in self._chunks:
             seed = memoryview(self._seeds.get(chunk.url, b""))

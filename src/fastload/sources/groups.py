@@ -91,6 +91,7 @@ class Groups:
         return [(s.url, s.version, s.label) for s in map(self.__getitem__, indices)]
 
     blocks = None
+    reader_version = ""  # a group's version follows its members and their order
 
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
         return read_objects(samples, fetcher, _members)

@@ -15,6 +15,8 @@ __all__ = ["SingleObjects"]
 class SingleObjects:
     """Each object of ``manifest`` is a sample; ``decode`` receives its bytes."""
 
+    reader_version = ""
+
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
         self.root = manifest.root

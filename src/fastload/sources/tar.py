@@ -1,7 +1,8 @@
 """Many samples in one tar shard, read in place (the WebDataset layout).
 
 A sample is the run of members that share a basename (``n01/000123.jpg``, ``n01/000123.cls``:
-key ``n01/000123``); ``decode`` receives ``{extension: bytes}`` (``{"jpg": ..., "cls": ...}``),
+key ``n01/000123``); ``decode`` receives ``{extension: bytes}`` (``{"jpg": ..., "cls": ...}``,
+extensions lowercased as WebDataset does),
 or decodes each member by pattern as for groups (``decode={"jpg": "image", "cls": int}``).
 
 Indexing a shard reads its headers with ranged reads that hop over large members and take small
@@ -30,7 +31,7 @@ __all__ = ["TarShards"]
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "tar-index/2"  # 2: link members are kept (size -1), never dropped
+INDEX_VERSION = "tar-index/2"  # 2: links kept (size -1), not dropped; extensions lowercased
 _BLOCK = tarfile.BLOCKSIZE
 _BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the first dot of the name
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
@@ -97,6 +98,7 @@ class TarShards(Shards):
                 self._bad(entry, f"member {name!r} has no basename.extension to group it by")
                 continue
             key, ext = found.groups()
+            ext = ext.lower()  # as WebDataset: .JPG and .jpg are "jpg"
             if runs and runs[-1][0] == key:
                 runs[-1][1].append((ext, i))
             else:
