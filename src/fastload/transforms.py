@@ -427,7 +427,7 @@ def decode_dicom(data: bytes) -> np.ndarray:
     return dicom_array(data)
 
 
-@versioned(1)
+@versioned(2)  # 2: a group that is not one volume is a DecodeError (it was interleaved)
 def decode_dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
     """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position
     (``RemoteDataset(..., group_by=..., decode="dicom-series")``; needs ``fastload[dicom]``)."""
