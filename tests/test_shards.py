@@ -21,7 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 
 import fastload
-from fastload import Cache, ChunkConfig, ConfigError, ObjectChangedError, RemoteDataset, ShardError
+from fastload import (
+    Cache,
+    ChunkConfig,
+    ConfigError,
+    Manifest,
+    ObjectChangedError,
+    RemoteDataset,
+    ShardError,
+)
 from fastload.sampler import PermutationSampler, block_locality
 from fastload.sources._chunks import _in_memory
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
@@ -295,7 +303,7 @@ def test_a_fixed_reader_makes_cached_samples_again(
     cache = Cache(tmp_path / "c", format="npy")
 
     def read_one() -> tuple[int, int]:
-        """Cache hits and writes of a new dataset reading sample 3 (its index, then it)."""
+        """Cache hits and writes of a new dataset reading sample 3 (its shard's index, then it)."""
         hits, writes = cache.counters.hits, cache.counters.writes
         dataset = RemoteDataset(
             root, shards="tar", decode=DECODE, cache=cache, storage_options=options
@@ -304,7 +312,8 @@ def test_a_fixed_reader_makes_cached_samples_again(
         return cache.counters.hits - hits, cache.counters.writes - writes
 
     assert read_one() == (0, 2)
-    assert read_one() == (2, 0)  # the same reader: both from the cache
+    assert read_one() == (1, 0)  # the same reader: the sample from the cache (its index was
+    # saved with the listing beside the cache)
     monkeypatch.setattr(fastload.sources.tar.TarShards, "index_version", "tar-index/next")
     assert read_one() == (0, 2)
 
@@ -489,6 +498,59 @@ def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(
     )  # fmt: skip
     assert sorted(int(events[i]["event_id"][0]) for i in range(len(events))) == list(range(100))
     assert events.fetcher.counters.requests == 0  # the indexes and every event: from the cache
+
+
+def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
+    store: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = store
+    tar_dataset(root, options)
+    pulse_files = {}
+    for f in range(2):
+        out = io.BytesIO()
+        pq.write_table(pulses(f * 50, 50), out, row_group_size=64)
+        pulse_files[f"events/batch_{f}.parquet"] = out.getvalue()
+    write(root, options, pulse_files)
+
+    def made(source: Any, **kwargs: Any) -> tuple[RemoteDataset, int]:
+        """A dataset (no cache) and the requests its construction sent."""
+        dataset = RemoteDataset(source, storage_options=options, **kwargs)
+        return dataset, dataset.fetcher.counters.requests
+
+    first, indexing = made(f"{root}/train", shards="tar", decode=DECODE)
+    assert indexing >= SHARDS
+    first.manifest.save(tmp_path / "train.npz")
+    # another host: the saved manifest, no cache, no shard read to index it
+    other, requests = made(Manifest.load(tmp_path / "train.npz"), shards="tar", decode=DECODE)
+    assert requests == 0 and len(other) == len(first) == SHARDS * PER_SHARD
+    assert np.array_equal(other.blocks, first.blocks)  # type: ignore[arg-type]
+    for i in (0, 37, 99):
+        assert other[i]["meta.json"] == {"n": i} and np.array_equal(other[i]["npy"], image(i))
+
+    # with manifest_path, the listing is saved with the indexes: a restart reads no shard
+    kept = tmp_path / "kept.npz"
+    assert made(f"{root}/train", shards="tar", manifest_path=kept)[1] >= SHARDS
+    assert made(f"{root}/train", shards="tar", manifest_path=kept)[1] == 0
+
+    # a shard rewritten since: only it is indexed again, and its new samples are read
+    write(root, options, {"train/shard-001.tar": tar_shard(500, PER_SHARD)})
+    listed = Manifest.build(f"{root}/train", storage_options=options)
+    saved = Manifest.load(tmp_path / "train.npz").shard_indexes
+    assert saved is not None
+    again, requests = made(listed.with_shard_indexes(saved), shards="tar", decode=DECODE)
+    assert 0 < requests < indexing
+    assert again[PER_SHARD]["meta.json"] == {"n": 500} and again[0]["meta.json"] == {"n": 0}
+
+    # parquet runs: indexes of runs of event_id serve only runs of event_id
+    runs, requests = made(f"{root}/events", shards="parquet", row_key="event_id")
+    runs.manifest.save(tmp_path / "events.npz")
+    again, requests = made(
+        Manifest.load(tmp_path / "events.npz"), shards="parquet", row_key="event_id"
+    )
+    assert requests == 0 and len(again) == 100
+    assert set(again[70]["event_id"].tolist()) == {70}
+    rows, requests = made(Manifest.load(tmp_path / "events.npz"), shards="parquet")
+    assert requests > 0 and len(rows) == sum(3 + e % 4 for e in range(100))
 
 
 def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(

@@ -33,8 +33,10 @@ from fastload.errors import (
 )
 from fastload.fetcher import Fetcher
 from fastload.manifest import Manifest, ManifestChanges, current, save_listing, saved_or_listed
+from fastload.ranks import rank_world
 from fastload.resources import PerProcess
 from fastload.sources import Sample, SampleSource, refreshed
+from fastload.sources._shards import Shards
 from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
 from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
@@ -295,13 +297,14 @@ class RemoteDataset(_Batched):
     ) -> None:
         _check_policies(on_error, on_change, shards, limit, cache)
         self.listing_check: Future[ManifestChanges] | None = None
+        listing: Path | None = None  # where the listing is saved
         if isinstance(source, Manifest):
             manifest = source
         elif isinstance(source, str):
+            listing = _listing_path(source, manifest_path, cache, storage_options)
             manifest, self.listing_check = self._listing(
                 source,
-                manifest_path,
-                cache,
+                listing,
                 reuse_listing,
                 storage_options=storage_options,
                 fetch_config=fetch_config,
@@ -316,8 +319,7 @@ class RemoteDataset(_Batched):
                     "shards= reads samples from inside shards: group_by and labels "
                     "do not apply (a tar sample's label is one of its members)"
                 )
-            self.manifest = manifest
-            self.source = _shard_source(
+            shard_source = _shard_source(
                 shards,
                 manifest,
                 fetcher=self.fetcher,
@@ -326,6 +328,10 @@ class RemoteDataset(_Batched):
                 on_error=on_error,
                 row_key=row_key,
             )
+            self.manifest = shard_source.manifest  # with the shards' indexes
+            if listing is not None and self.manifest is not manifest and rank_world()[0] == 0:
+                save_listing(self.manifest, listing)  # a restart reads no shard to index it
+            self.source = shard_source
         elif row_key is not None:
             raise ConfigError("row_key groups the rows of parquet files: it needs shards='parquet'")
         elif group_by is None:
@@ -379,25 +385,21 @@ class RemoteDataset(_Batched):
     @staticmethod
     def _listing(
         url: str,
-        path: str | os.PathLike[str] | None,
-        cache: Cache | None,
+        path: Path | None,
         reuse: bool,
         *,
         storage_options: Mapping[str, Any] | None,
         fetch_config: FetchConfig | None,
     ) -> tuple[Manifest, Future[ManifestChanges] | None]:
-        if path is None and cache is not None:
-            store = json.dumps(dict(storage_options or {}), sort_keys=True, default=str)
-            path = cache.manifest_path(f"{url}\0{store}")
         if path is None or not reuse:
             manifest = Manifest.build(
                 url, storage_options=storage_options, fetch_config=fetch_config
             )
             if path is not None:
-                save_listing(manifest, Path(path))
+                save_listing(manifest, path)
             return manifest, None
         return saved_or_listed(
-            url, Path(path), storage_options=storage_options, fetch_config=fetch_config
+            url, path, storage_options=storage_options, fetch_config=fetch_config
         )
 
     def __repr__(self) -> str:
@@ -564,7 +566,7 @@ def _shard_source(
     chunks: ChunkConfig | None,
     on_error: OnError,
     row_key: str | None,
-) -> SampleSource:
+) -> Shards:
     if shards == "parquet":
         return ParquetShards(
             manifest, fetcher, row_key=row_key, cache=cache, config=chunks, on_error=on_error
@@ -574,6 +576,19 @@ def _shard_source(
     if shards == "tar":
         return TarShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
     raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
+
+
+def _listing_path(
+    url: str,
+    path: str | os.PathLike[str] | None,
+    cache: Cache | None,
+    storage_options: Mapping[str, Any] | None,
+) -> Path | None:
+    """Where the listing of ``url`` is saved: ``path``, else in ``cache``'s folder, else none."""
+    if path is None and cache is not None:
+        store = json.dumps(dict(storage_options or {}), sort_keys=True, default=str)
+        path = cache.manifest_path(f"{url}\0{store}")
+    return None if path is None else Path(path)
 
 
 def _labelled(

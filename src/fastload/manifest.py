@@ -37,7 +37,7 @@ from fastload.stores._base import Listed
 from fastload.stores._listing import list_parallel
 from fastload.stores._retry import retrying
 
-__all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges"]
+__all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges", "ShardIndexes"]
 
 FORMAT = "fastload-manifest/1"
 T = TypeVar("T")
@@ -123,6 +123,43 @@ class Grouping:
 
 
 @dataclass(frozen=True)
+class ShardIndexes:
+    """The indexes of a manifest's shards (``RemoteDataset(shards=...)``), kept with it so that
+    a saved manifest starts a dataset without reading its shards again (on another host too):
+    the indexes' version, each indexed shard's key and version, and per array name the arrays
+    of all shards end to end (shard ``i``'s are ``values[ends[i-1]:ends[i]]``)."""
+
+    version: str
+    keys: Strings
+    versions: Strings
+    values: dict[str, np.ndarray]
+    ends: dict[str, np.ndarray]
+
+    @classmethod
+    def of(
+        cls, version: str, indexes: Sequence[tuple[Entry, dict[str, np.ndarray]]]
+    ) -> ShardIndexes:
+        names = sorted(indexes[0][1]) if indexes else []  # every index of a version has these
+        values = {n: np.concatenate([index[n] for _, index in indexes]) for n in names}
+        ends = {n: np.cumsum([len(i[n]) for _, i in indexes], dtype=np.int64) for n in names}
+        keys = Strings.of([entry.key for entry, _ in indexes])
+        versions = Strings.of([entry.version for entry, _ in indexes])
+        return cls(version, keys, versions, values, ends)
+
+    def lookup(self, version: str) -> dict[tuple[str, str], dict[str, np.ndarray]]:
+        """Each shard's index by (key, version), when they are of ``version`` (else none)."""
+        if version != self.version:
+            return {}
+        out: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        for i, shard in enumerate(zip(self.keys.tolist(), self.versions.tolist(), strict=True)):
+            out[shard] = {
+                n: values[(int(self.ends[n][i - 1]) if i else 0) : int(self.ends[n][i])]
+                for n, values in self.values.items()
+            }
+        return out
+
+
+@dataclass(frozen=True)
 class ManifestChanges:
     """What :meth:`Manifest.refresh` found: counts of keys added, removed and changed."""
 
@@ -149,9 +186,11 @@ class Manifest(Sequence[Entry]):
         labels: Sequence[int] | np.ndarray | None = None,
         classes: Sequence[str] | None = None,
         grouping: Grouping | None = None,
+        shard_indexes: ShardIndexes | None = None,
     ) -> None:
         self.root = str(parse_url(root)).rstrip("/")
         self.grouping = grouping
+        self.shard_indexes = shard_indexes
         self._keys = keys if isinstance(keys, Strings) else Strings.of(list(keys))
         self._versions = versions if isinstance(versions, Strings) else Strings.of(versions)
         self._sizes = np.asarray(sizes, dtype=np.int64)
@@ -395,6 +434,14 @@ class Manifest(Sequence[Entry]):
         """This manifest carrying ``grouping`` (saved with it; dropped by any derived one)."""
         if len(grouping.members) and int(grouping.members.max()) >= len(self):
             raise ConfigError(f"a grouping of other entries does not fit {self!r}")
+        return self._carrying(grouping, self.shard_indexes)
+
+    def with_shard_indexes(self, indexes: ShardIndexes) -> Manifest:
+        """This manifest carrying its shards' ``indexes`` (saved with it; dropped by any
+        derived one). An index is used only for a shard of the key and version it was made of."""
+        return self._carrying(self.grouping, indexes)
+
+    def _carrying(self, grouping: Grouping | None, indexes: ShardIndexes | None) -> Manifest:
         return Manifest(
             self.root,
             self._keys,
@@ -403,6 +450,7 @@ class Manifest(Sequence[Entry]):
             labels=self._labels,
             classes=self.classes,
             grouping=grouping,
+            shard_indexes=indexes,
         )
 
     def _identities(self) -> dict[str, tuple[int, str]]:
@@ -421,6 +469,7 @@ class Manifest(Sequence[Entry]):
             "fingerprint": self.fingerprint,
             "classes": self.classes,
             "grouping": None if self.grouping is None else self.grouping.rule,
+            "shard_index": None if self.shard_indexes is None else self.shard_indexes.version,
         }
         arrays = {
             "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
@@ -437,6 +486,8 @@ class Manifest(Sequence[Entry]):
             arrays["group_name_ends"] = self.grouping.names.ends
             arrays["group_members"] = self.grouping.members
             arrays["group_ends"] = self.grouping.ends
+        if self.shard_indexes is not None:
+            arrays.update(_shard_index_arrays(self.shard_indexes))
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
@@ -484,6 +535,7 @@ class Manifest(Sequence[Entry]):
                 labels=data.get("labels"),
                 classes=meta.get("classes"),
                 grouping=_grouping(meta, data),
+                shard_indexes=_shard_indexes(meta, data),
             )
         return manifest, meta
 
@@ -557,7 +609,8 @@ def _check(saved: Manifest, new: Manifest, path: Path) -> ManifestChanges:
             changes.removed,
             changes.changed,
         )
-        save_listing(new, path)
+        indexes = saved.shard_indexes  # kept: each is used only for its shard's key and version
+        save_listing(new if indexes is None else new.with_shard_indexes(indexes), path)
     return changes
 
 
@@ -591,6 +644,36 @@ def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:
 
 
 _MARKER_NAMES = (".bzEmpty",)  # what B2's web console writes to make a "folder"
+
+
+_SHARD_INDEX = "shard_index."  # prefix of the saved arrays of ShardIndexes
+
+
+def _shard_index_arrays(indexes: ShardIndexes) -> dict[str, np.ndarray]:
+    arrays = {
+        f"{_SHARD_INDEX}key_blob": indexes.keys.blob,
+        f"{_SHARD_INDEX}key_ends": indexes.keys.ends,
+        f"{_SHARD_INDEX}version_blob": indexes.versions.blob,
+        f"{_SHARD_INDEX}version_ends": indexes.versions.ends,
+    }
+    for name, values in indexes.values.items():
+        arrays[f"{_SHARD_INDEX}values.{name}"] = values
+        arrays[f"{_SHARD_INDEX}ends.{name}"] = indexes.ends[name]
+    return arrays
+
+
+def _shard_indexes(meta: dict[str, Any], data: Any) -> ShardIndexes | None:
+    if meta.get("shard_index") is None:
+        return None
+    a = _SHARD_INDEX
+    names = [k[len(a) + 7 :] for k in data.files if k.startswith(f"{a}values.")]
+    return ShardIndexes(
+        str(meta["shard_index"]),
+        Strings(data[f"{a}key_blob"], data[f"{a}key_ends"]),
+        Strings(data[f"{a}version_blob"], data[f"{a}version_ends"]),
+        {n: data[f"{a}values.{n}"] for n in names},
+        {n: data[f"{a}ends.{n}"] for n in names},
+    )
 
 
 def _is_marker(entry: Listed) -> bool:

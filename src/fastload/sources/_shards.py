@@ -20,7 +20,7 @@ from fastload.cache import Cache
 from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, DecodeError, FastloadError, ShardError, StoreError
 from fastload.fetcher import Fetcher
-from fastload.manifest import Entry, Manifest
+from fastload.manifest import Entry, Manifest, ShardIndexes
 from fastload.sources import Part, Sample
 from fastload.sources._chunks import Chunk, ChunkReader
 
@@ -71,12 +71,22 @@ class Shards:
         self._chunk_shard: list[int] = []
         self._firsts: list[int] = []
         self._count = 0
-        for entry, index in zip(found, self._indexes(found, fetcher, cache), strict=True):
+        saved = manifest.shard_indexes
+        stored = {} if saved is None else saved.lookup(self.index_version)
+        indexes: list[tuple[Entry, dict[str, np.ndarray]]] = []
+        for entry, index in zip(found, self._indexes(found, fetcher, cache, stored), strict=True):
             if isinstance(index, BaseException):
                 self._bad(entry, str(index), index)
                 continue
+            indexes.append((entry, index))
             self.shards.append(entry)
             self._add(len(self.shards) - 1, entry, index)
+        if all((entry.key, entry.version) in stored for entry, _ in indexes):
+            self.manifest = manifest
+        else:  # saving this manifest saves the indexes: a restart (or another host) reads none
+            self.manifest = manifest.with_shard_indexes(
+                ShardIndexes.of(self.index_version, indexes)
+            )
         if self._count == 0:
             raise ConfigError(
                 f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
@@ -111,9 +121,14 @@ class Shards:
 
     # -- building --------------------------------------------------------------------------
     def _indexes(
-        self, shards: list[Entry], fetcher: Fetcher, cache: Cache | None
+        self,
+        shards: list[Entry],
+        fetcher: Fetcher,
+        cache: Cache | None,
+        stored: dict[tuple[str, str], dict[str, np.ndarray]],
     ) -> list[dict[str, np.ndarray] | BaseException]:
-        """Every shard's index (or its failure), from the cache when it holds this version."""
+        """Every shard's index (or its failure): ``stored`` with the manifest, else from the
+        cache when it holds this version, else read from the shard."""
 
         def made(entry: Entry) -> dict[str, np.ndarray] | BaseException:
             try:
@@ -122,6 +137,8 @@ class Shards:
                 return exc
 
         def one(entry: Entry) -> dict[str, np.ndarray] | BaseException:
+            if (entry.key, entry.version) in stored:
+                return stored[entry.key, entry.version]
             if cache is None:
                 return made(entry)
             name = Cache.name(entry.url, entry.version, self.index_version)
