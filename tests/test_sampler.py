@@ -180,6 +180,43 @@ def test_block_mode_keeps_batches_within_few_blocks() -> None:
     assert sorted(sampler.indices().tolist()) == list(range(100_000))
 
 
+@pytest.mark.parametrize("blocks", [None, np.cumsum([0, 300, 17, 1, 400, 250, 90, 700, 33])])
+def test_in_block_mode_each_block_is_read_by_one_rank(blocks: np.ndarray | None) -> None:
+    # Ranks take contiguous shares of the epoch, which visits blocks one after another: a block
+    # is read by one rank (two where a share ends inside its window), not by all of them.
+    n, world, window = 2000, 4, 2
+    sizes = np.diff(np.append(blocks, n)) if blocks is not None else np.full(20, 100)
+    starts = np.append(0, np.cumsum(sizes)[:-1])
+    readers: dict[int, set[int]] = {}
+    for rank in range(world):
+        sampler = PermutationSampler(
+            n, seed=3, rank=rank, world_size=world, window=window,
+            **({"blocks": blocks} if blocks is not None else {"block_size": 100}),
+        )  # fmt: skip
+        sampler.set_epoch(2)
+        for index in sampler.indices()[: sampler.num_real_samples].tolist():
+            block = int(np.searchsorted(starts, index, side="right")) - 1
+            readers.setdefault(block, set()).add(rank)
+    pairs = sum(len(ranks) for ranks in readers.values())
+    assert len(readers) == len(sizes)  # every block read ...
+    assert pairs <= len(sizes) + (world - 1) * window  # ... by one rank, but at share ends
+
+
+def test_a_block_mode_state_saved_by_the_strided_version_resumes_as_a_prefix() -> None:
+    # Before block mode shared contiguously, its state held only the position: the epoch's
+    # positions before it were consumed (striding consumes a prefix).
+    whole = PermutationSampler(500, seed=1, block_size=20)
+    state = whole.state_dict()
+    del state["remaining"]
+    state["position"] = 123
+    rest = []
+    for rank in range(3):
+        sampler = PermutationSampler(500, seed=1, block_size=20, rank=rank, world_size=3)
+        sampler.load_state_dict(state)
+        rest += sampler.indices()[: sampler.num_real_samples].tolist()
+    assert sorted(rest) == sorted(whole.indices()[123:].tolist())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

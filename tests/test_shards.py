@@ -553,6 +553,33 @@ def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
     assert requests > 0 and len(rows) == sum(3 + e % 4 for e in range(100))
 
 
+def test_ranks_read_each_chunk_once_between_them(seaweed: S3Server, tmp_path: Path) -> None:
+    root = f"s3://{BUCKET}/ranks-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+    chunks = ChunkConfig(chunk_bytes=150_000)  # a few chunks per shard
+    made = RemoteDataset(f"{root}/train", shards="tar", chunks=chunks, storage_options=options)
+    made.manifest.save(tmp_path / "m.npz")  # the ranks index nothing: every read is a chunk
+    assert made.blocks is not None
+    world, seen, reads = 2, [], 0
+    for rank in range(world):
+        dataset = RemoteDataset(
+            Manifest.load(tmp_path / "m.npz"), shards="tar", decode=DECODE, chunks=chunks,
+            storage_options=options,
+        )  # fmt: skip
+        sampler = PermutationSampler(
+            len(dataset), blocks=dataset.blocks, rank=rank, world_size=world, window=2
+        )
+        loader = fastload.DataLoader(
+            dataset, batch_size=10, sampler=sampler, collate_fn=list, lookahead=0
+        )
+        seen += [item["meta.json"]["n"] for batch in loader for item in batch]
+        reads += dataset.fetcher.counters.requests
+    assert sorted(seen) == list(range(SHARDS * PER_SHARD))
+    # each chunk by one rank, two where a share ends inside a window (striding: every rank)
+    assert len(made.blocks) <= reads <= len(made.blocks) + 2 * (world - 1)
+
+
 def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
     moto: S3Server,
 ) -> None:

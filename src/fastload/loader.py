@@ -75,7 +75,9 @@ class DataLoader(tud.DataLoader[Any]):
     - ``pin_memory`` when CUDA is available; worker seeds derive from ``seed`` and the rank;
     - a dataset read in chunks (``RemoteDataset(shards=...)``: its ``blocks``) is shuffled
       shard-aware: chunks in a new order each epoch, samples shuffled within windows of
-      ``BLOCK_WINDOW`` chunks, so a batch reads about that many chunks;
+      ``BLOCK_WINDOW`` chunks, so a batch reads about that many chunks; under
+      torch.distributed each rank takes a contiguous share of the epoch (shuffled or not), so
+      a chunk is read by one rank, not by all;
     - ``lookahead``: batches ahead of the loop whose missing samples a caching
       :class:`fastload.RemoteDataset` fetches into its cache in the background: without
       workers in this process, with workers in the workers themselves (each batch a worker
@@ -125,7 +127,7 @@ class DataLoader(tud.DataLoader[Any]):
         ):
             if not hasattr(dataset, "__len__"):
                 raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
-            blocks = getattr(dataset, "blocks", None) if shuffle else None
+            blocks = getattr(dataset, "blocks", None)  # ranks then take whole chunks
             if shuffle and generator is not None:
                 log.warning(
                     "DataLoader: the shuffled order follows seed=%d, not generator= (every rank "

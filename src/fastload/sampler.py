@@ -8,6 +8,12 @@ Sharding is by *global position*: the epoch is the sequence ``order(0), order(1)
 to a multiple of ``world_size``; rank ``r`` takes positions ``start + r, start + r + W, ...``.
 A checkpoint stores how many global positions were consumed, so resuming on a different world
 size continues with exactly the samples not yet seen.
+
+In block mode (chunked storage, shards read in place) rank ``r`` takes a contiguous share of the
+epoch instead, ``r * P`` to ``(r + 1) * P``: the epoch visits blocks one after another, so each
+rank reads its own blocks and a block is read by one rank, not by every rank (striding would
+give every rank a sample of every block). A checkpoint then stores the positions not yet
+consumed, as ranges; resuming on any world size shares those ranges out the same way.
 """
 
 from __future__ import annotations
@@ -116,11 +122,38 @@ def _chunks(length: int) -> Iterator[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one epoch (from ``start``) is laid out over the ranks."""
+    """How one epoch's remaining positions are laid out over the ranks: from ``start`` on
+    (strided), or in block mode the ``ranges`` ([start, stop) rows, in epoch order), shared out
+    in contiguous runs of ``per_rank``."""
 
     start: int
     per_rank: int
     real: int  # this rank's samples that are not padding (always first)
+    ranges: Indices | None = None
+
+    def positions(self, concat: Indices) -> Indices:
+        """The epoch positions at places ``concat`` of the ranges laid end to end (wrapping)."""
+        assert self.ranges is not None
+        sizes = self.ranges[:, 1] - self.ranges[:, 0]
+        total = int(sizes.sum())
+        if total == 0:
+            return concat
+        concat = concat % total
+        ends = np.cumsum(sizes)
+        row = np.searchsorted(ends, concat, side="right")
+        out: Indices = self.ranges[row, 0] + concat - (ends[row] - sizes[row])
+        return out
+
+    def positions_between(self, a: int, b: int) -> Indices:
+        """The epoch positions at places ``[a, b)`` of the ranges laid end to end, as ranges."""
+        assert self.ranges is not None
+        ends = np.cumsum(self.ranges[:, 1] - self.ranges[:, 0])
+        starts = ends - (self.ranges[:, 1] - self.ranges[:, 0])
+        lo, hi = np.maximum(starts, a), np.minimum(ends, b)
+        keep = lo < hi
+        shift = self.ranges[keep, 0] - starts[keep]
+        rows: Indices = np.stack([lo[keep] + shift, hi[keep] + shift], axis=1)
+        return rows
 
 
 class PermutationSampler(Sampler[int]):
@@ -180,7 +213,7 @@ class PermutationSampler(Sampler[int]):
         self.block_size, self.window = block_size, window
         self.epoch = 0
         self._yielded = 0
-        self._plan = self._make_plan(0)
+        self._plan = self._make_plan(self._whole_epoch())
         self._epoch_chosen = False  # set_epoch/load_state_dict since the loader last looked
 
     # -- epochs and layout -------------------------------------------------------------------
@@ -189,10 +222,24 @@ class PermutationSampler(Sampler[int]):
         self._epoch_chosen = True
         if epoch != self.epoch:
             self.epoch = epoch
-            self._plan = self._make_plan(0)
+            self._plan = self._make_plan(self._whole_epoch())
 
-    def _make_plan(self, start: int) -> _Plan:
-        remaining = max(self.n - start, 0)
+    @property
+    def _contiguous(self) -> bool:
+        """Whether ranks take contiguous shares (block mode) rather than strided positions."""
+        return self.blocks is not None or self.block_size is not None
+
+    def _whole_epoch(self) -> int | Indices:
+        return np.asarray([[0, self.n]], np.int64) if self._contiguous else 0
+
+    def _make_plan(self, left: int | Indices) -> _Plan:
+        """The plan for the positions not yet consumed: from ``left`` on (strided), or the
+        ranges ``left`` (block mode)."""
+        if isinstance(left, int):
+            start, ranges, remaining = left, None, max(self.n - left, 0)
+        else:
+            start, ranges = 0, left.reshape(-1, 2)
+            remaining = int((ranges[:, 1] - ranges[:, 0]).sum())
         w = self.world_size
         if self.drop_last and remaining >= w:
             per_rank = remaining // w
@@ -205,8 +252,11 @@ class PermutationSampler(Sampler[int]):
                     w,
                 )
             per_rank = -(-remaining // w)
-        real = max(0, min(per_rank, -(-(remaining - self.rank) // w)))
-        return _Plan(start, per_rank, real)
+        if ranges is not None:  # contiguous shares: padding comes at the end of the last ones
+            real = max(0, min(per_rank, remaining - self.rank * per_rank))
+        else:
+            real = max(0, min(per_rank, -(-(remaining - self.rank) // w)))
+        return _Plan(start, per_rank, real, ranges)
 
     def __len__(self) -> int:
         return self._plan.per_rank
@@ -307,7 +357,10 @@ class PermutationSampler(Sampler[int]):
         """This rank's indices for local positions ``[start, stop)`` as one numpy array."""
         stop = len(self) if stop is None else min(stop, len(self))
         local = np.arange(start, max(start, stop), dtype=np.int64)
-        return self.order(self._plan.start + self.rank + local * self.world_size)
+        plan = self._plan
+        if plan.ranges is not None:
+            return self.order(plan.positions(self.rank * plan.per_rank + local))
+        return self.order(plan.start + self.rank + local * self.world_size)
 
     def __iter__(self) -> Iterator[int]:
         return _iter_counted(self, self.indices)
@@ -339,7 +392,7 @@ class PermutationSampler(Sampler[int]):
                 f"PermutationSampler.state_dict: local_consumed must be in [0, {len(self)}], "
                 f"got {consumed}"
             )
-        return {
+        state = {
             "version": _STATE_VERSION,
             "n": self.n,
             "seed": self.seed,
@@ -350,6 +403,27 @@ class PermutationSampler(Sampler[int]):
             "epoch": self.epoch,
             "position": min(self._plan.start + consumed * self.world_size, self.n),
         }
+        if self._plan.ranges is not None:
+            left = self._left(consumed)
+            state["remaining"] = left.tolist()
+            state["position"] = self.n - int((left[:, 1] - left[:, 0]).sum())
+        return state
+
+    def _left(self, consumed: int) -> Indices:
+        """Block mode: the ranges of positions no rank has consumed once each consumed
+        ``consumed`` (ranks go in lockstep): what follows each rank's consumed head in its
+        share, and what ``drop_last`` left after the last share."""
+        plan = self._plan
+        assert plan.ranges is not None
+        total = int((plan.ranges[:, 1] - plan.ranges[:, 0]).sum())
+        places = []  # [a, b) runs of places in the ranges laid end to end
+        for rank in range(self.world_size):
+            first = rank * plan.per_rank
+            real = max(0, min(plan.per_rank, total - first))
+            places.append((first + min(consumed, real), first + real))
+        places.append((min(self.world_size * plan.per_rank, total), total))
+        rows = [plan.positions_between(a, b) for a, b in places if a < b]
+        return np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
 
     def _blocks_digest(self) -> str | None:
         if self.blocks is None:
@@ -387,8 +461,11 @@ class PermutationSampler(Sampler[int]):
                 f"PermutationSampler.load_state_dict: position must be in [0, {self.n}], "
                 f"got {position!r}"
             )
+        left: int | Indices = position
+        if self._contiguous:  # a state saved before block mode shared contiguously: a prefix
+            left = _checked_ranges(state.get("remaining", [[position, self.n]]), self.n)
         self.epoch = int(state["epoch"])
-        self._plan = self._make_plan(position)
+        self._plan = self._make_plan(left)
         self._yielded = 0
         self._epoch_chosen = True
 
@@ -404,6 +481,22 @@ class PermutationSampler(Sampler[int]):
             f"PermutationSampler(n={self.n}, shuffle={self.shuffle}, seed={self.seed}, "
             f"rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
         )
+
+
+def _checked_ranges(ranges: Any, n: int) -> Indices:
+    try:
+        rows = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"PermutationSampler.load_state_dict: remaining must be [start, stop) pairs, got "
+            f"{str(ranges)[:80]}"
+        ) from exc
+    if np.any(rows[:, 0] > rows[:, 1]) or np.any(rows < 0) or np.any(rows > n):
+        raise ConfigError(
+            f"PermutationSampler.load_state_dict: remaining must be ranges within [0, {n}], got "
+            f"{rows[:3].tolist()}"
+        )
+    return rows
 
 
 def _checked_blocks(
