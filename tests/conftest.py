@@ -19,6 +19,15 @@ from fastload.testing import B2Server, FakeGcsServer, MotoS3Server, SeaweedS3Ser
 BUCKET = "fastload-test"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_loader_epochs() -> Iterator[None]:
+    """Each test starts as a fresh process does: no shuffled loader has taken an epoch yet."""
+    from fastload.loader import _Epochs
+
+    _Epochs._next.clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[SeaweedS3Server]:
     with SeaweedS3Server() as server:

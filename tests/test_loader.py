@@ -119,9 +119,49 @@ def test_shuffle_reshuffles_every_pass_like_torch(workers: int) -> None:
     assert labels(plain) == labels(plain) == list(range(20))  # no shuffle: one order
 
 
+class Draws(Dataset[int]):
+    """A sample is a draw of numpy's global generator: what a random augmentation uses."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return int(np.random.randint(0, 2**30))
+
+
+def test_a_new_loader_each_epoch_reshuffles_like_torch(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's unseeded loader made anew draws a new order; ours took epoch 0's order (and its
+    # workers numpy's draws) every time, so a loop that makes its loader each epoch trained on
+    # one order. With seed= given, every new loader starts at epoch 0 (a seeded generator's way).
+    def made() -> fastload.DataLoader:  # a new dataset too, as such loops often make
+        return fastload.DataLoader(Numbers(64), batch_size=8, shuffle=True, num_workers=0)
+
+    orders = [labels(made()) for _ in range(3)]
+    assert len({tuple(order) for order in orders}) == 3
+    reference = made()
+    reference.set_epoch(0)
+    assert [labels(reference) for _ in range(3)] == orders  # the epochs 0, 1, 2 in turn
+    for _ in range(2):  # with seed= every new loader starts at epoch 0
+        seeded = fastload.DataLoader(Numbers(64), 8, True, num_workers=0, seed=0)
+        assert labels(seeded) == orders[0]
+    draws = [
+        [int(v) for batch in fastload.DataLoader(Draws(), 4, True, num_workers=2) for v in batch]
+        for _ in range(2)
+    ]
+    assert set(draws[0]).isdisjoint(draws[1])  # the workers' generators moved on too
+
+    # under several ranks a rank cannot move on alone (the ranks' shares would overlap)
+    monkeypatch.setattr(fastload.loader, "rank_world", lambda: (0, 2))
+    with caplog.at_level(logging.WARNING):
+        again = labels(made())
+    assert again == orders[0] and "starts at epoch 0 again" in caplog.text
+
+
 def test_resume_then_reshuffle_continues_the_epochs() -> None:
-    def make() -> fastload.DataLoader:
-        return fastload.DataLoader(Numbers(50), batch_size=5, shuffle=True, num_workers=0)
+    def make() -> fastload.DataLoader:  # seed= given: every new loader starts at epoch 0
+        return fastload.DataLoader(Numbers(50), batch_size=5, shuffle=True, num_workers=0, seed=0)
 
     reference = make()
     epochs = [labels(reference) for _ in range(3)]
@@ -391,9 +431,9 @@ def test_the_shuffle_follows_seed_and_says_so_when_a_generator_is_given(
         return [int(i) for i in next(iter(loader))]
 
     with caplog.at_level(logging.WARNING):
-        seeded = order(generator=torch.Generator().manual_seed(7))
+        seeded = order(generator=torch.Generator().manual_seed(7), seed=0)
     assert "follows seed=0, not generator=" in caplog.text
-    assert seeded == order() and order(seed=7) != order()
+    assert seeded == order(seed=0) and order(seed=7) != order(seed=0)
 
 
 class Prefetching(Dataset[int]):

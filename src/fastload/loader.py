@@ -62,8 +62,11 @@ class DataLoader(tud.DataLoader[Any]):
 
     - map-style datasets get a :class:`fastload.PermutationSampler` (``shuffle`` and ``seed``),
       sharded over torch.distributed / torch_xla ranks, so no rank ever gets zero samples; with
-      ``shuffle=True`` each new pass takes the next epoch's order, as torch's loader reshuffles
-      (an explicit :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch instead). The
+      ``shuffle=True`` each new pass takes the next epoch's order, as torch's loader reshuffles;
+      without ``seed=``, so does a new loader in the same process over as many samples, as
+      torch's unseeded loader draws a new order (under several ranks it warns instead); with
+      ``seed=`` every new loader starts at epoch 0, as a seeded generator would. An explicit
+      :meth:`set_epoch` or :meth:`load_state_dict` chooses the epoch. The
       order follows ``seed``, not ``generator`` (which still seeds the workers), so that every
       rank draws the same order to split: a warning says so when both are given;
     - ``num_workers``: :func:`default_workers`; with 0, batches load in a background thread
@@ -107,7 +110,7 @@ class DataLoader(tud.DataLoader[Any]):
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         background: bool = True,
         lookahead: int = 4,
         hooks: Sequence[Hook] = (),
@@ -115,7 +118,8 @@ class DataLoader(tud.DataLoader[Any]):
         **kwargs: Any,
     ) -> None:
         workers = default_workers() if num_workers is None else num_workers
-        reshuffle = False
+        reshuffle, first_epoch, chosen = False, 0, seed is not None
+        seed = 0 if seed is None else seed
         if not isinstance(workers, int) or workers < 0:
             raise ConfigError(f"DataLoader num_workers must be an int >= 0, got {num_workers!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
@@ -143,6 +147,8 @@ class DataLoader(tud.DataLoader[Any]):
             )
             reshuffle = bool(shuffle)
             shuffle = None
+            if reshuffle and not chosen and (first_epoch := _Epochs.next(len(dataset))):
+                sampler.set_epoch(first_epoch)
         auto_collation = batch_sampler is not None or batch_size is not None
         collate = collate_fn or (
             (tud.default_collate if workers else _collate.collate)
@@ -175,7 +181,7 @@ class DataLoader(tud.DataLoader[Any]):
             timeout=timeout,
             worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
-            generator=generator or torch.Generator().manual_seed(_worker_seed(seed)),
+            generator=generator or torch.Generator().manual_seed(_worker_seed(seed, first_epoch)),
             prefetch_factor=factor,
             persistent_workers=bool(workers) if persistent_workers is None else persistent_workers,
             **kwargs,
@@ -186,6 +192,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
         self._reshuffle = reshuffle  # our own shuffled sampler: a new order each pass
+        self._follows = reshuffle and not chosen  # a new loader takes the next epoch
         self._pass_start: StageCounters | None = None  # counters when the pass began
         self._passes = 0
 
@@ -200,6 +207,8 @@ class DataLoader(tud.DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self._reshuffle and isinstance(self._order, PermutationSampler):
             self._order._new_pass(advance=self._passes > 0)
+            if self._follows:
+                _Epochs.used(self._order.n, self._order.epoch)
         self._passes += 1
         self._consumed = 0
         self._pass_start = self.counters
@@ -460,9 +469,39 @@ def _guarded(path: str) -> bool:
         return False
 
 
-def _worker_seed(seed: int) -> int:
+def _worker_seed(seed: int, epoch: int = 0) -> int:
     rank, _ = rank_world()
-    return _splitmix64((seed & (2**64 - 1)) ^ _splitmix64(rank + 1)) >> 1
+    mixed = (seed & (2**64 - 1)) ^ _splitmix64(rank + 1) ^ _splitmix64(epoch + 0x51ED)
+    return _splitmix64(mixed) >> 1
+
+
+class _Epochs:
+    """The epochs the shuffled loaders of this process with the default seed have taken, by
+    dataset length, so that a new one (a loop that makes its loader, or its dataset and loader,
+    each epoch) takes the next epoch's order and worker seeds, as torch's unseeded loader draws
+    a new order, instead of the first loader's again. Under several ranks a new loader cannot
+    move on by itself (a rank that made an extra loader would draw another order than the
+    others, and their shares would overlap): it warns instead."""
+
+    _next: ClassVar[dict[int, int]] = {}  # length -> the epoch after the last one taken
+
+    @classmethod
+    def next(cls, length: int) -> int:
+        """The epoch a new shuffled loader over ``length`` samples starts at."""
+        epoch = cls._next.get(length, 0)
+        if epoch and rank_world()[1] > 1:
+            log.warning(
+                "DataLoader: a new shuffled loader of %d samples starts at epoch 0 again, as "
+                "the one before it did, and repeats its order: keep one loader across epochs, "
+                "or call loader.set_epoch(epoch) on every rank",
+                length,
+            )
+            return 0
+        return epoch
+
+    @classmethod
+    def used(cls, length: int, epoch: int) -> None:
+        cls._next[length] = max(cls._next.get(length, 0), epoch + 1)
 
 
 # --- background loading and lookahead ---------------------------------------------------------
