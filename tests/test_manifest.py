@@ -118,6 +118,21 @@ def test_missing_labels(tmp_path: Path) -> None:
         manifest.with_labels(bad)
 
 
+def test_a_spreadsheet_csv_and_a_key_labelled_twice(tmp_path: Path) -> None:
+    manifest = synthetic(4)
+    rows = "".join(f"{k},{i % 2}\n" for i, k in enumerate(manifest.keys()))
+    excel = tmp_path / "excel.csv"  # "CSV UTF-8" from a spreadsheet starts with a BOM
+    excel.write_bytes(b"\xef\xbb\xbf" + f"key,label\n{rows}".encode())
+    assert [e.label for e in manifest.with_labels(excel)] == [0, 1, 0, 1]
+    again = tmp_path / "again.csv"  # one key twice with one label: harmless
+    again.write_text(f"key,label\n{rows}{manifest[0].key},0\n")
+    assert [e.label for e in manifest.with_labels(again)] == [0, 1, 0, 1]
+    clash = tmp_path / "clash.csv"  # two labels for one key: the last one won, silently
+    clash.write_text(f"key,label\n{rows}{manifest[0].key},1\n")
+    with pytest.raises(ConfigError, match=rf"gives 1 keys two different labels.*{manifest[0].key}"):
+        manifest.with_labels(clash)
+
+
 def test_labels_that_mix_numbers_and_names_are_refused(tmp_path: Path) -> None:
     """A CSV of numeric labels with one stray name ("unknown"): sorted as text, 10 would come
     before 2 and every code from there on would move, silently."""

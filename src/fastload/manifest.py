@@ -714,7 +714,7 @@ def label_codes(values: Sequence[Any], root: str) -> tuple[list[int], list[str] 
 
 def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's CSV starts with a BOM
     except OSError as exc:
         raise ConfigError(f"cannot read labels file {path}: {exc}") from exc
     try:
@@ -738,12 +738,18 @@ def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int |
                     else f"labels file {path} is empty"
                 )
             rows = reader
-        table = {str(row[key_field]): row[label_field] for row in rows}
+        pairs = [(str(row[key_field]), _maybe_int(row[label_field])) for row in rows]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"labels file {path} needs {key_field!r} and {label_field!r} fields ({exc})"
         ) from exc
-    return {k: _maybe_int(v) for k, v in table.items()}
+    table = dict(pairs)
+    clashes = sorted({key for key, label in pairs if table[key] != label})
+    if clashes:  # which one is the sample's? (the same label twice is harmless)
+        raise ConfigError(
+            f"labels file {path} gives {len(clashes)} keys two different labels, e.g. {clashes[:5]}"
+        )
+    return table
 
 
 def _maybe_int(value: Any) -> int | str:
