@@ -157,32 +157,16 @@ def _read_headers(
     try:
         with tarfile.open(fileobj=file, mode="r:") as tar:  # type: ignore[call-overload]
             while (member := tar.next()) is not None:
-                if member.islnk() or member.issym():  # a sample's member without its bytes
-                    names.append(member.name)
-                    header.append(member.offset)
-                    data.append(member.offset_data)
-                    size.append(-1)
-                    crc.append(0)
+                link = member.islnk() or member.issym()  # a sample's member without its bytes
+                if not (link or member.isfile()):
                     continue
-                if not member.isfile():
-                    continue
-                if member.issparse():  # its bytes in the shard are not the file's
-                    raise ShardError(
-                        f"member {member.name!r} is a sparse file, which cannot be read in place",
-                        url=shard.url,
-                    )
-                end = member.offset_data + member.size
-                if end > shard.size:
-                    raise ShardError(
-                        f"truncated: member {member.name!r} ends at byte {end} but the shard has "
-                        f"{shard.size}",
-                        url=shard.url,
-                    )
+                if not link:
+                    _check_regular(member, shard)
                 names.append(member.name)
                 header.append(member.offset)
                 data.append(member.offset_data)
-                size.append(member.size)
-                crc.append(zlib.crc32(file.peek(member.offset, _BLOCK)))
+                size.append(-1 if link else member.size)
+                crc.append(0 if link else zlib.crc32(file.peek(member.offset, _BLOCK)))
     except tarfile.TarError as exc:
         at = f" after member {names[-1]!r}" if names else ""
         raise ShardError(f"not a readable tar{at} ({exc})", url=shard.url) from exc
@@ -196,6 +180,21 @@ def _read_headers(
         "crc": np.asarray(crc, np.int64),
     }
     return index, file.pieces[0] if len(file.pieces) == 1 else b"".join(file.pieces)
+
+
+def _check_regular(member: tarfile.TarInfo, shard: Entry) -> None:
+    """A regular member whose bytes can be read in place: not sparse, not cut off."""
+    if member.issparse():  # its bytes in the shard are not the file's
+        raise ShardError(
+            f"member {member.name!r} is a sparse file, which cannot be read in place",
+            url=shard.url,
+        )
+    end = member.offset_data + member.size
+    if end > shard.size:
+        raise ShardError(
+            f"truncated: member {member.name!r} ends at byte {end} but the shard has {shard.size}",
+            url=shard.url,
+        )
 
 
 class _RangedFile:
