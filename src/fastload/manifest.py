@@ -666,7 +666,7 @@ def _shard_indexes(meta: dict[str, Any], data: Any) -> ShardIndexes | None:
     if meta.get("shard_index") is None:
         return None
     a = _SHARD_INDEX
-    names = [k[len(a) + 7 :] for k in data.files if k.startswith(f"{a}values.")]
+    names = [k.removeprefix(f"{a}values.") for k in data.files if k.startswith(f"{a}values.")]
     return ShardIndexes(
         str(meta["shard_index"]),
         Strings(data[f"{a}key_blob"], data[f"{a}key_ends"]),
