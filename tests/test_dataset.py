@@ -202,6 +202,10 @@ def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> 
     assert targets.tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(IndexError, match="out of range for 5"):
         dataset[5]
+    assert value_of(dataset[np.int64(-1)][0]) == 4 and value_of(dataset[torch.tensor(2)][0]) == 2
+    for index in (2.7, "2"):  # int() took 2.7 as 2, silently
+        with pytest.raises(TypeError, match=r"indices must be integers, got (float 2\.7|str '2')"):
+            dataset[index]  # type: ignore[index]
     for bad in [{"on_error": "ignore"}, {"limit": 0}, {"cache": "/tmp/x"}]:
         with pytest.raises(ConfigError):
             RemoteDataset(manifest, decode="npy", **bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -112,8 +113,13 @@ class _Batched(Dataset[Any]):
         return augment(item)
 
     def _index(self, index: int) -> int:
-        if not isinstance(index, int) or isinstance(index, bool):
-            index = int(index)  # numpy and torch integers
+        try:  # numpy and torch integers too; int() would take 2.7 as 2 and "2" as 2
+            index = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"{type(self).__name__} indices must be integers, got "
+                f"{type(index).__name__} {index!r}"
+            ) from None
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} samples")
         return index % len(self)
