@@ -702,7 +702,7 @@ def test_a_scratch_cache_left_by_a_killed_process_is_removed_by_the_next(tmp_pat
         shutil.rmtree(kept, ignore_errors=True)  # killed too: not to wait for the next sweep
 
 
-def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> None:
+def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_path: Path) -> None:
     """Real tables have nulls: in an id column (ids above 2**53, as hashed ids are), in a
     dictionary-encoded category column (how pandas and Spark write repeated strings), in a
     sensor column of an event's pulses. pyarrow's to_numpy gave a null category another row's
@@ -749,6 +749,16 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer) -> N
     second = events[1]  # event 2: three pulses, one without a hit id
     assert list(second["hit_id"]) == [big + 2, big + 3, None]
     assert list(second["detector"]) == [None, "ecal", "hcal"]
+    for _ in range(2):  # cached, then read from the cache: the same values (it refused them)
+        cache = Cache(tmp_path / "c", format="npy")
+        cached = RemoteDataset(
+            f"{root}/events", shards="parquet", row_key="event_id", cache=cache,
+            storage_options=options,
+        )  # fmt: skip
+        again = cached[1]
+        assert list(again["hit_id"]) == [big + 2, big + 3, None]
+        assert [type(v) for v in again["hit_id"]] == [np.int64, np.int64, type(None)]
+    assert cache.counters.hits >= 1
 
     keyed = pa.table(
         {"run": pa.array(["r1", "r1", None, "r2"]).dictionary_encode(), "t": [0.0] * 4}

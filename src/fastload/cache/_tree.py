@@ -1,8 +1,10 @@
 """A sample as a JSON-able spec plus a flat list of array leaves, and back.
 
 Samples may be tensors, NumPy arrays, or (nested) tuples, lists and dicts of them, with
-scalars, strings, bytes and None beside them (labels, ids). Anything else is refused with
-:class:`UnsupportedSampleError` naming its type and where it sits in the sample.
+scalars, strings, bytes and None beside them (labels, ids). Object arrays of those (what a
+parquet column of integers with nulls becomes: numpy integers and None) are kept element by
+element. Anything else is refused with :class:`UnsupportedSampleError` naming its type and
+where it sits in the sample.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ def _flatten(value: Any, leaves: list[Leaf], values: list[Any], path: tuple[Any,
         tag = "u" if kind is tuple else "l"
         return (tag, tuple(_flatten(v, leaves, values, (*path, i)) for i, v in enumerate(value)))
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None:
-            what = "an object" if value.dtype.hasobject else "a structured"
+        if value.dtype.fields is not None:
             raise UnsupportedSampleError(
-                f"{_where(path)} is {what} array; only plain numeric arrays"
+                f"{_where(path)} is a structured array; only plain numeric and object arrays"
             )
+        if value.dtype.hasobject:  # element by element: few, as a row's or a run's
+            flat = value.reshape(-1)
+            elements = tuple(_flatten(v, leaves, values, (*path, i)) for i, v in enumerate(flat))
+            return ("o", value.shape, elements)
         leaves.append(value)
         return ("n", len(leaves) - 1)
     if isinstance(value, torch.Tensor):
@@ -113,4 +118,9 @@ def _unflatten(spec: Spec, leaves: list[Leaf], values: Iterator[Any]) -> Any:
         return [_unflatten(s, leaves, values) for s in spec[1]]
     if tag == "d":
         return {k: _unflatten(s, leaves, values) for k, s in spec[1]}
+    if tag == "o":
+        out = np.empty(len(spec[2]), dtype=object)
+        for i, s in enumerate(spec[2]):
+            out[i] = _unflatten(s, leaves, values)
+        return out.reshape(tuple(spec[1]))
     raise ValueError(f"unknown spec tag {tag!r}")
