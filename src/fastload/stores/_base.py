@@ -143,10 +143,11 @@ class Listed:
 
 @dataclass
 class Stream:
-    """A listing cursor that cannot resume once it failed (an obstore stream), and whether it
-    broke; the lister then lists its range again another way."""
+    """A listing cursor that cannot resume once it failed (an obstore stream): the last key it
+    gave and whether it broke; the lister then goes on another way."""
 
     stream: Any
+    last: str | None = None
     broken: bool = False
 
 

@@ -31,7 +31,7 @@ from fastload.config import FetchConfig
 from fastload.stores._base import PAGE, Listed, PageLister, Stream
 from fastload.stores._retry import retrying
 
-__all__ = ["list_parallel"]
+__all__ = ["guards", "list_parallel"]
 
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
@@ -54,7 +54,7 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def _guards(point: str, prefix: str) -> set[str]:
+def guards(point: str, prefix: str) -> set[str]:
     """Prefixes that must hold no keys for ``point`` to split a tree-ordered listing safely."""
     below = {point[:i] + "/" for i in range(len(prefix), len(point)) if point[i] < "/"}
     return {point + "/", *below}
@@ -113,10 +113,10 @@ async def list_parallel(
     async def usable(points: list[str]) -> list[str]:
         if not lister.tree_ordered:
             return points
-        guards = [sorted(_guards(p, prefix)) for p in points]
-        flat = sorted({g for gs in guards for g in gs})
+        needed = [sorted(guards(p, prefix)) for p in points]
+        flat = sorted({g for gs in needed for g in gs})
         ok = dict(zip(flat, await asyncio.gather(*(checked(g) for g in flat)), strict=True))
-        return [p for p, gs in zip(points, guards, strict=True) if all(ok[g] for g in gs)]
+        return [p for p, gs in zip(points, needed, strict=True) if all(ok[g] for g in gs)]
 
     async def walk(lo: str | None, hi: str | None, token: Any = None) -> None:
         full = lister.page_size or PAGE
@@ -137,7 +137,7 @@ async def list_parallel(
             points = await usable(_split_points(inside, prefix, inside[-1].key, hi))
             if points:
                 # the first part goes on from this page; the others start at split points
-                first = walk(None, points[0], token)
+                first = walk(lo, points[0], token)
                 rest = (walk(a, b) for a, b in itertools.pairwise([*points, hi]))
                 await asyncio.gather(first, *rest)
                 return

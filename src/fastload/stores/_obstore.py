@@ -37,6 +37,7 @@ from fastload.stores._base import (
     progressing,
 )
 from fastload.stores._errors import Kind, classify
+from fastload.stores._listing import guards
 from fastload.stores.s3 import S3Store
 
 if TYPE_CHECKING:
@@ -203,10 +204,12 @@ class _ObstorePages:
     (``a//b``, ``./c``, control characters): a page holding an empty object, or one obstore
     cannot parse, is asked for again through botocore, which then lists the rest of the range.
 
-    A stream cannot resume after a failure, and resuming "after the last key listed" is not
-    safe on a server that orders keys as a file tree: after ``P2`` it skips all of ``P2/``.
-    So botocore lists the range again from its start (``start_after``, a point already shown
-    safe); the keys listed twice are kept once, by value (see :mod:`fastload.stores._listing`).
+    A stream cannot resume after a failure, and resuming "after the last key listed" is safe
+    on a server that orders keys as a file tree only when no key lies under a directory that
+    key could name (after ``P2`` such a server skips all of ``P2/``): one small listing of each
+    such directory (:func:`fastload.stores._listing.guards`) says so. Otherwise botocore lists
+    the range again from its start (``start_after``, a point already shown safe), and the keys
+    listed twice are kept once, by value.
     """
 
     tree_ordered = True
@@ -222,7 +225,7 @@ class _ObstorePages:
         if not isinstance(token, Stream | None):  # this range went through botocore
             return await self.general.page(prefix, start_after, token, limit)
         if token is not None and token.broken:
-            return await self.general.page(prefix, start_after, None, limit)
+            return await self._resumed(prefix, start_after, token.last, limit)
         directory = prefix.rstrip("/") or None
         if not readable(directory or "x") or not readable(start_after or "x"):
             return await self.general.page(prefix, start_after, None, limit)
@@ -238,12 +241,25 @@ class _ObstorePages:
                 raise  # a first page is simply asked for again
             # a key obstore cannot parse, or a stream that failed midway (it cannot resume)
             cursor.broken = True
-            return await self.general.page(prefix, start_after, None, limit)
+            return await self._resumed(prefix, start_after, cursor.last, limit)
         if rows is None:
             return [], None
         if any(e.size == 0 for e in rows):  # a marker, or a key obstore renamed
-            return await self.general.page(prefix, start_after, None, limit)
+            return await self._resumed(prefix, start_after, cursor.last, limit)
+        cursor.last = rows[-1].key if rows else cursor.last
         return rows, cursor
+
+    async def _resumed(
+        self, prefix: str, start_after: str | None, last: str | None, limit: int
+    ) -> tuple[list[Listed], Any]:
+        """Botocore's page of the range after ``last`` where that is safe, else from the
+        range's start ``start_after``."""
+        if last is not None:
+            below = sorted(guards(last, prefix))
+            pages = await asyncio.gather(*(self.general.page(g, None, None, 1) for g in below))
+            if not any(found for found, _ in pages):
+                return await self.general.page(prefix, last, None, limit)
+        return await self.general.page(prefix, start_after, None, limit)
 
 
 async def _next_page(stream: Any) -> list[Listed] | None:
