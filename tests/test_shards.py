@@ -324,14 +324,25 @@ def events(first: int, count: int) -> pa.Table:
     return pa.table({"event_id": ids, "pulses": pulses, "name": [f"ev{i}" for i in ids]})
 
 
+def parquet(table: pa.Table, **kwargs: Any) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(table, out, **kwargs)
+    return out.getvalue()
+
+
+def batches(
+    make: Any, files: int, per_file: int, rows: int, folder: str = "events/"
+) -> dict[str, bytes]:
+    """``files`` parquet files of ``make(first, count)``'s events, in row groups of ``rows``."""
+    return {
+        f"{folder}batch_{f}.parquet": parquet(make(f * per_file, per_file), row_group_size=rows)
+        for f in range(files)
+    }
+
+
 def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) -> None:
     root, options = store
-    objects = {}
-    for f in range(3):
-        out = io.BytesIO()
-        pq.write_table(events(f * 500, 500), out, row_group_size=200)
-        objects[f"events/batch_{f}.parquet"] = out.getvalue()
-    write(root, options, objects)
+    write(root, options, batches(events, 3, 500, 200))
     dataset = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
     assert len(dataset) == 1500 and dataset.blocks is not None and len(dataset.blocks) == 9
     row = dataset[1234]
@@ -352,9 +363,7 @@ def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) 
 def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
     root = f"gs://{BUCKET}/bad-parquet-{uuid.uuid4().hex[:8]}"
     options = gcs.storage_options()
-    out = io.BytesIO()
-    pq.write_table(events(0, 100), out)
-    body = out.getvalue()
+    body = parquet(events(0, 100))
     write(root, options, {"a.parquet": body, "b.parquet": body[:-20] + b"\0" * 16 + b"PAR1"})
     with pytest.raises(ShardError, match=r"b\.parquet"):
         RemoteDataset(root, shards="parquet", storage_options=options)
@@ -439,12 +448,7 @@ def pulses(first: int, count: int) -> pa.Table:
 def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
     root = f"b2://{BUCKET}/pulses-{uuid.uuid4().hex[:8]}"
     options = b2.storage_options()
-    objects = {}
-    for f in range(2):
-        out = io.BytesIO()
-        pq.write_table(pulses(f * 100, 100), out, row_group_size=64)  # events span row groups
-        objects[f"batch_{f}.parquet"] = out.getvalue()
-    write(root, options, objects)
+    write(root, options, batches(pulses, 2, 100, 64, folder=""))  # events span row groups
     dataset = RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
     assert len(dataset) == 200
     event = dataset[150]
@@ -457,9 +461,8 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
     assert sorted(seen) == list(range(200))
     assert all(len(e["time"]) == 3 + int(e["event_id"][0]) % 4 for batch in loader for e in batch)
 
-    out = io.BytesIO()
-    pq.write_table(pa.table({"event_id": [1, 1, 2, 2, 1], "time": [0.0] * 5}), out)
-    write(root, options, {"batch_9.parquet": out.getvalue()})  # not sorted by event_id
+    unsorted = parquet(pa.table({"event_id": [1, 1, 2, 2, 1], "time": [0.0] * 5}))
+    write(root, options, {"batch_9.parquet": unsorted})  # not sorted by event_id
     with pytest.raises(ShardError, match=r"event_id=1 has rows at 0 and again at 4.*batch_9"):
         RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
     with pytest.raises(ShardError, match=r"row_key 'evt' is not a column .*'event_id'"):
@@ -479,12 +482,7 @@ def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(
 
     root = f"s3://{BUCKET}/cli-runs-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
-    objects = {}
-    for f in range(2):
-        out = io.BytesIO()
-        pq.write_table(pulses(f * 50, 50), out, row_group_size=64)
-        objects[f"events/batch_{f}.parquet"] = out.getvalue()
-    write(root, options, objects)
+    write(root, options, batches(pulses, 2, 50, 64))
     cache_dir = str(tmp_path / "c")
     done = cli(
         "warm-cache", f"{root}/events", "--cache-dir", cache_dir, "--shards", "parquet",
@@ -505,12 +503,7 @@ def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
 ) -> None:
     root, options = store
     tar_dataset(root, options)
-    pulse_files = {}
-    for f in range(2):
-        out = io.BytesIO()
-        pq.write_table(pulses(f * 50, 50), out, row_group_size=64)
-        pulse_files[f"events/batch_{f}.parquet"] = out.getvalue()
-    write(root, options, pulse_files)
+    write(root, options, batches(pulses, 2, 50, 64))
 
     def made(source: Any, **kwargs: Any) -> tuple[RemoteDataset, int]:
         """A dataset (no cache) and the requests its construction sent."""
@@ -723,9 +716,7 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
             ),
         }
     )
-    out = io.BytesIO()
-    pq.write_table(table, out)
-    write(root, options, {"events/part-0.parquet": out.getvalue()})
+    write(root, options, {"events/part-0.parquet": parquet(table)})
 
     rows = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
     got = [rows[i] for i in range(len(rows))]
@@ -763,8 +754,7 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
     keyed = pa.table(
         {"run": pa.array(["r1", "r1", None, "r2"]).dictionary_encode(), "t": [0.0] * 4}
     )
-    out = io.BytesIO()
-    pq.write_table(keyed, out)  # a row with no run: it was read as another run's row
-    write(root, options, {"runs/part-0.parquet": out.getvalue()})
+    # a row with no run: it was read as another run's row
+    write(root, options, {"runs/part-0.parquet": parquet(keyed)})
     with pytest.raises(ShardError, match=r"row_key 'run' is null in 1 rows.*part-0\.parquet"):
         RemoteDataset(f"{root}/runs", shards="parquet", row_key="run", storage_options=options)

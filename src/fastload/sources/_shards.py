@@ -92,13 +92,16 @@ class Shards:
                 f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
             )
         self.blocks = np.asarray(self._firsts, dtype=np.int64)
-        self.reader_version = self.index_version
         self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
         for chunk in self._chunks:
             seed = memoryview(self._seeds.get(chunk.url, b""))
             if chunk.end <= len(seed):
                 self.reader.seed(chunk, seed[chunk.start : chunk.end])  # a view: no copy
         self._seeds.clear()
+
+    @property
+    def reader_version(self) -> str:
+        return self.index_version
 
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
