@@ -155,6 +155,34 @@ def test_resize_refuses_channels_last_and_channels_first_puts_them_first() -> No
     assert both.fingerprint != compose(Resize((32, 32))).fingerprint
 
 
+def test_resize_nearest_keeps_labels_exact_and_their_type() -> None:
+    """A segmentation mask resized linearly comes back as float32 with labels blended into
+    values no class has (2.5 between classes 2 and 3) and, past 2**24, rounded ids: nearest keeps
+    the labels and the dtype, for uint16 and for ids past float32's precision."""
+    mask = np.zeros((1, 60, 90), np.uint16)
+    mask[:, 20:40, 30:60] = 3
+    mask[:, 40:, :] = 2
+    linear = Resize((40, 64))(mask)
+    assert linear.dtype == np.float32 and not set(np.unique(linear)) <= {0, 2, 3}  # blended
+    nearest = Resize((40, 64), mode="nearest")(mask)
+    assert nearest.dtype == np.uint16 and nearest.shape == (1, 40, 64)
+    assert set(np.unique(nearest).tolist()) == {0, 2, 3}
+    assert nearest[0, 20, 32] == 3 and nearest[0, 35, 5] == 2 and nearest[0, 0, 0] == 0
+    expected = torch.nn.functional.interpolate(  # torch's nearest-exact, on floats it can take
+        torch.from_numpy(mask.astype(np.float32))[None], size=(40, 64), mode="nearest-exact"
+    )[0]
+    assert np.array_equal(nearest, expected.numpy().astype(np.uint16))
+    ids = np.arange(2**24, 2**24 + 27, dtype=np.int64).reshape(3, 3, 3)  # a 3-D id volume
+    up = Resize((6, 6, 6), mode="nearest")(torch.from_numpy(ids))
+    assert up.dtype == torch.int64 and set(up.unique().tolist()) == set(ids.ravel().tolist())
+    assert Resize((4, 4), mode="nearest")(np.ones((8, 8), bool)).dtype == np.bool_
+    assert Resize((4, 4)).fingerprint != Resize((4, 4), mode="nearest").fingerprint
+    with pytest.raises(ConfigError, match="mode must be"):
+        Resize((4, 4), mode="cubic")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"a dict of \['image', 'mask'\]"):
+        Resize((4, 4))({"image": mask, "mask": mask})
+
+
 def test_quantile_normalize_leaves_a_masked_background_out() -> None:
     """A volume whose background is NaN (skull-stripped, masked): np.percentile gave NaN
     percentiles, so every voxel came out NaN. The NaNs are now left out of the estimate and

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import CodeType, FunctionType, ModuleType
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -287,7 +287,12 @@ class QuantileNormalize(_Params):
 
 @dataclass(frozen=True)
 class Resize(_Params):
-    """Resize the trailing 2 or 3 axes of an array or tensor to ``size`` (linear interpolation).
+    """Resize the trailing 2 or 3 axes of an array or tensor to ``size``.
+
+    ``mode="linear"`` (bilinear or trilinear) returns ``float32``, whatever the input's type.
+    ``mode="nearest"`` picks the nearest input element (as torch's ``nearest-exact`` and PIL's
+    ``NEAREST``) and keeps the input's type: use it for label maps and masks, which linear
+    interpolation would blend into labels that do not exist (and, past 2**24, round).
 
     The channels must come first: ``decode="image"`` gives ``H x W x C`` and ``decode="tiff"``
     ``pages x H x W x C``, so compose :func:`channels_first` before. Stretching a trailing axis of
@@ -295,13 +300,21 @@ class Resize(_Params):
     """
 
     size: tuple[int, ...]
+    mode: Literal["linear", "nearest"] = "linear"
 
     def __post_init__(self) -> None:
         ok = len(self.size) in (2, 3) and all(type(n) is int and n > 0 for n in self.size)
         if not ok:
             raise ConfigError(f"Resize.size must be 2 or 3 positive ints, got {self.size!r}")
+        if self.mode not in ("linear", "nearest"):
+            raise ConfigError(f"Resize.mode must be 'linear' or 'nearest', got {self.mode!r}")
 
     def __call__(self, sample: Any) -> Any:
+        if isinstance(sample, Mapping):
+            raise ConfigError(
+                f"Resize{self.size} takes one array, got a dict of {sorted(sample)} (a group's "
+                "or a tar sample's members: resize each in your own transform)"
+            )
         tensor = (
             sample if isinstance(sample, torch.Tensor) else torch.from_numpy(np.asarray(sample))
         )
@@ -316,12 +329,24 @@ class Resize(_Params):
                 "which looks like channels (H x W x C, as decode='image' gives): put them first, "
                 "compose(fastload.transforms.channels_first, Resize(...))"
             )
+        out = self._nearest(tensor) if self.mode == "nearest" else self._linear(tensor)
+        return out if isinstance(sample, torch.Tensor) else out.numpy()
+
+    def _linear(self, tensor: torch.Tensor) -> torch.Tensor:
+        spatial = len(self.size)
         lead = tensor.shape[:-spatial]
         batch = tensor.reshape(1, -1, *tensor.shape[-spatial:]).float()
         mode = "bilinear" if spatial == 2 else "trilinear"
         out = torch.nn.functional.interpolate(batch, size=self.size, mode=mode, align_corners=False)
-        out = out.reshape(*lead, *self.size)
-        return out if isinstance(sample, torch.Tensor) else out.numpy()
+        return out.reshape(*lead, *self.size)
+
+    def _nearest(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Index each axis by its nearest source element: any dtype, values kept exactly."""
+        for axis, size in zip(range(-len(self.size), 0), self.size, strict=True):
+            have = tensor.shape[axis]
+            picks = np.floor((np.arange(size) + 0.5) * (have / size)).astype(np.int64)
+            tensor = tensor.index_select(axis, torch.from_numpy(np.minimum(picks, have - 1)))
+        return tensor
 
 
 _CHANNELS = 4  # a last axis this short is channels, not an image's width
