@@ -1173,3 +1173,68 @@ def test_lock_dirs_created_by_many_threads_at_once_never_fail(tmp_path: Path) ->
     (tmp_path / "afile").write_text("x")
     with pytest.raises(NotADirectoryError):
         private_dirs(tmp_path / "afile")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB file system (tmpfs): writes past it fail with ENOSPC, as on a full disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
+    mounted = subprocess.run(command, check=False, capture_output=True)  # needs root
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("fmt", ["npy", "zarr"])
+def test_a_full_disk_serves_samples_uncached_and_stores_again_once_there_is_room(
+    small_disk: Path, tmp_path: Path, fmt: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache's disk filling up mid-run failed every read with CacheError (the training run
+    died), and every retry left a new segment behind. Now reads get their samples, uncached,
+    with one warning; an explicit put raises; warm-cache counts what it could not keep."""
+    from fastload import CacheFullError, DataLoader, RemoteDataset
+    from fastload.warm import warm_cache
+
+    rng = np.random.default_rng(4)
+    source = tmp_path / "objects"
+    expected = {}
+    for i in range(150):  # 24 KB uint16 images: 3.7 MB, past the 2 MiB disk
+        path = source / f"part.{i % 3}" / f"x {i:03d}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        expected[path.name] = rng.integers(0, 65535, (96, 128), dtype=np.uint16)
+        np.save(path, expected[path.name])
+    cache = Cache(small_disk / "c", format=fmt)  # type: ignore[arg-type]
+    dataset = RemoteDataset(f"file://{source}", decode="npy", cache=cache)
+
+    with caplog.at_level(logging.WARNING, logger="fastload.cache"):
+        report = warm_cache(dataset, range(len(dataset)), batch_size=10, threads=2)
+        assert not report.failures and 0 < report.unstored < len(dataset)
+        assert cache.full
+        with pytest.raises(CacheFullError, match="ENOSPC"):
+            cache.put("one more", expected["x 000.npy"])
+        loader = DataLoader(dataset, batch_size=16, shuffle=False, collate_fn=list)
+        misses = cache.counters.misses
+        served = [sample for batch in loader for sample in batch]
+    # each sample made once: the lookahead makes nothing while nothing can be kept
+    assert cache.counters.misses - misses <= len(dataset)
+    warnings = [r for r in caplog.records if "served uncached" in r.getMessage()]
+    assert len(warnings) == 1 and "Cache(max_bytes=" in warnings[0].getMessage()
+    assert len(served) == len(dataset)
+    for i, sample in enumerate(served):  # every sample its own, cached or not
+        name = dataset.source[i].url.rsplit("/", 1)[-1].replace("%20", " ")
+        assert sample.dtype == np.uint16 and np.array_equal(sample, expected[name]), name
+    stored = cache.counters.writes
+    assert stored > 0 and cache.counters.unstored >= len(dataset) - stored
+
+    cache.clear()  # room again: the next reads are kept
+    assert not cache.full
+    dataset[0], dataset[1]
+    assert cache.counters.writes > stored
+    hits = cache.counters.hits
+    assert np.array_equal(dataset[1], expected[dataset.source[1].url.rsplit("/", 1)[-1]])
+    assert cache.counters.hits == hits + 1

@@ -9,6 +9,7 @@ from fastload.device import DeviceLoader
 from fastload.errors import (
     AccessDeniedError,
     CacheError,
+    CacheFullError,
     ConfigError,
     CorruptEntryError,
     DecodeError,
@@ -35,6 +36,7 @@ __all__ = [
     "AccessDeniedError",
     "Cache",
     "CacheError",
+    "CacheFullError",
     "CachedDataset",
     "ChunkConfig",
     "ConfigError",

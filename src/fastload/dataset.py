@@ -200,9 +200,10 @@ class _Batched(Dataset[Any]):
             raise ConfigError(f"{type(self).__name__}.prefetch needs a cache to keep its work")
         cache = self.cache
         self._warm_batches += 1
-        if self._warm_batches > _WARM_STREAK and self._warm_batches % _WARM_PROBE:
-            done: Future[None] = Future()  # a warm cache: only every _WARM_PROBE-th batch is
-            done.set_result(None)  # checked (a stat per sample competes with the reads)
+        warm = self._warm_batches > _WARM_STREAK and self._warm_batches % _WARM_PROBE
+        if warm or cache.full:  # a warm cache: only every _WARM_PROBE-th batch is checked (a
+            done: Future[None] = Future()  # stat per sample competes with the reads); a full
+            done.set_result(None)  # one would keep nothing: the read would make it again
             return done
         executor = _prefetchers.get(
             "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")

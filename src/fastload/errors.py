@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = [
     "AccessDeniedError",
     "CacheError",
+    "CacheFullError",
     "ConfigError",
     "CorruptEntryError",
     "DecodeError",
@@ -111,6 +112,11 @@ class ShardError(DecodeError):
 
 class CacheError(FastloadError, OSError):
     """The cache directory cannot be used: not writable, disk full, not a fastload cache."""
+
+
+class CacheFullError(CacheError):
+    """The cache's disk or quota is full (ENOSPC, EDQUOT). A sample being read is still
+    returned, uncached (counted in ``unstored``, with a warning); ``Cache.put`` raises it."""
 
 
 class CorruptEntryError(CacheError):

@@ -108,6 +108,7 @@ class CacheStats:
     evictions: int = 0
     repairs: int = 0  # corrupt entries found, deleted and recomputed
     oversize: int = 0  # samples larger than the whole budget, served without caching
+    unstored: int = 0  # samples served without caching because the cache's disk was full
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -25,10 +25,12 @@ __all__ = ["WarmReport", "warm_cache", "warm_order"]
 
 @dataclass
 class WarmReport:
-    """What one warm-up did. ``failures`` maps each failed object's URL to its error."""
+    """What one warm-up did. ``failures`` maps each failed object's URL to its error;
+    ``unstored`` counts samples made but not cached because the cache's disk was full."""
 
     samples: int = 0
     hits: int = 0  # already cached (a rerun skips them)
+    unstored: int = 0
     requests: int = 0
     bytes_fetched: int = 0
     seconds: float = 0.0
@@ -39,6 +41,7 @@ class WarmReport:
         return {
             "samples": self.samples,
             "hits": self.hits,
+            "unstored": self.unstored,
             "requests": self.requests,
             "bytes_fetched": self.bytes_fetched,
             "seconds": round(self.seconds, 3),
@@ -100,6 +103,7 @@ def warm_cache(
     counters = dataset.counters
     fetch, cache = counters.fetch, counters.cache
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
+    start_unstored = cache.unstored
     started = time.perf_counter()
     batches = [
         list(map(int, indices[i : i + batch_size])) for i in range(0, len(indices), batch_size)
@@ -112,6 +116,7 @@ def warm_cache(
         report.requests = fetch.requests - start_requests
         report.bytes_fetched = fetch.bytes - start_bytes
         report.hits = cache.hits - start_hits
+        report.unstored = cache.unstored - start_unstored
         report.seconds = time.perf_counter() - started
         if on_progress is not None:
             on_progress(report)

@@ -313,7 +313,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     _emit(result, as_json, lambda: _print_warm(result))
     if report.interrupted:
         raise typer.Exit(130)
-    if report.failures:
+    if report.failures or report.unstored:
         raise typer.Exit(1)
 
 
@@ -348,6 +348,11 @@ def _print_warm(result: dict[str, Any]) -> None:
         out.print(f"estimated cost: {result['estimated_cost']:.4f}")
     for url, error in result["failures"].items():
         out.print(f"failed: {url}: {error}")
+    if result["unstored"]:
+        out.print(
+            f"not cached: {result['unstored']:,} samples, the cache's disk is full (free space "
+            "or pass --max-bytes, then rerun: cached samples are skipped)"
+        )
     if result["interrupted"]:
         out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
 

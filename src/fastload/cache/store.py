@@ -55,7 +55,7 @@ from fastload.cache.formats import (
     ZarrFormat,
     entry_bytes,
 )
-from fastload.errors import CacheError, ConfigError, CorruptEntryError
+from fastload.errors import CacheError, CacheFullError, ConfigError, CorruptEntryError
 from fastload.stats import CacheStats
 
 __all__ = ["Cache", "CacheFormat", "VerifyReport"]
@@ -70,6 +70,9 @@ _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
 _SUBDIRS = ("entries", "locks", "tmp", "segments", "index")
 _NEWER_SUBDIRS = ("segments", "index")  # a read-only cache of an earlier version lacks them
 _UNRECORDED = 4 * 2**20  # bytes a process may add before it records them (no budget)
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write failing so leaves a read's sample uncached
+_FULL_PAUSE = 10.0  # s: after a full disk, reads store nothing for this long, then try again
+_FULL_WARN_EVERY = 600.0  # s between warnings while the disk stays full
 _SEGMENTS_PER_BUDGET = 16  # a budget's segments are at most 1/16 of it: eviction can keep to it
 _DIGEST = re.compile(r"[0-9a-f]{40}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -179,6 +182,7 @@ class Cache:
         self._lock_root = str(self.root / "locks")
         self._usage_path = self.root / f"usage-{format}"
         self._warned: set[str] = set()
+        self._full_until = self._full_warned = -_FULL_WARN_EVERY  # time.monotonic()
         self.read_only = bool(read_only) or (read_only is None and self._unwritable())
         if self.read_only:
             self._check_cache()
@@ -610,7 +614,7 @@ class Cache:
                 raise ConfigError(f"compute returned {len(values)} values for {len(todo)} names")
             for i, value in zip(todo, values, strict=True):
                 out[i] = value
-            self._store_all(
+            self._store_made(
                 [
                     (digests[i], names[i], value)
                     for i, value in zip(todo, values, strict=True)
@@ -634,6 +638,32 @@ class Cache:
             self._store(digest, name, sample)
         finally:
             lock.release(remove=True)
+
+    @property
+    def full(self) -> bool:
+        """Whether reads store nothing for now: a write found the disk full moments ago."""
+        return time.monotonic() < self._full_until
+
+    def _store_made(self, items: Sequence[tuple[str, str, Any]]) -> None:
+        """Store what a read made. On a full disk the read still gets its samples, uncached
+        (counted in ``unstored``; a warning every ``_FULL_WARN_EVERY`` s), and reads store
+        nothing for ``_FULL_PAUSE`` s before trying again: a training run outlives a full disk."""
+        if self.full:
+            self.counters.unstored += len(items)
+            return
+        now = time.monotonic()
+        try:
+            self._store_all(items)
+        except CacheFullError as exc:
+            self.counters.unstored += len(items)  # a batch whose first part landed: all counted
+            self._full_until = now + _FULL_PAUSE
+            if now - self._full_warned >= _FULL_WARN_EVERY:
+                self._full_warned = now
+                log.warning(
+                    "%s; samples are served uncached until there is room (free space, or give "
+                    "the cache a budget: Cache(max_bytes=...))",
+                    exc,
+                )
 
     def _store_all(self, items: Sequence[tuple[str, str, Any]]) -> None:
         """Store each ``(digest, name, sample)``: segment entries together, zarr ones one by
@@ -668,9 +698,7 @@ class Cache:
         except OSError as exc:
             if isinstance(exc, CacheError):
                 raise
-            raise CacheError(
-                f"cannot write the cache entry for {name} in {self.root} ({_why(exc)})"
-            ) from exc
+            raise self._write_error(exc, name) from exc
         finally:
             _remove(tmp)
         self.counters.writes += 1
@@ -706,11 +734,13 @@ class Cache:
                         used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
         except OSError as exc:
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            raise CacheError(
-                f"cannot write the cache entry for {names[0]}{more} in {self.root} ({_why(exc)})"
-            ) from exc
+            raise self._write_error(exc, f"{names[0]}{more}") from exc
         self.counters.writes += len(entries)
         self.counters.bytes_written += size
+
+    def _write_error(self, exc: OSError, what: str) -> CacheError:
+        kind = CacheFullError if exc.errno in _FULL else CacheError
+        return kind(f"cannot write the cache entry for {what} in {self.root} ({_why(exc)})")
 
     def _remove_legacy(self, digest: str) -> int:
         """Delete the entry an earlier version wrote as a file of its own; the bytes freed."""
@@ -899,6 +929,7 @@ class Cache:
         format's byte count goes back to zero with them."""
         self._writable("clear")
         self._check_subdirs()
+        self._full_until = -_FULL_WARN_EVERY  # room again: reads store at once
         _UNRECORDED_BYTES.take(self._usage_path)  # those bytes go too
         if self._packed is not None:
             self._packed.close()
