@@ -292,6 +292,38 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         RemoteDataset(root, shards="parquet", storage_options=options)
 
 
+def test_compressed_tar_shards_are_refused_not_left_out(
+    seaweed: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """WebDataset reads .tar.gz shards; fastload reads tar in place by byte range, which a
+    compressed stream has not. Such shards were left out with an INFO line: two thirds of this
+    dataset gone, quietly. Now they are a ShardError naming them (on_error="skip": a warning);
+    a shard named .TAR is read like .tar."""
+    root = f"s3://{BUCKET}/gz-tar-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:gz") as tar:
+        info = tarfile.TarInfo("z/000001.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"1"))
+    objects = {
+        "train/shard-000.tar": tar_shard(0, 5),
+        "train/shard-001.TAR": tar_shard(5, 5),
+        "train/shard-002.tar.gz": packed.getvalue(),
+        "train/shard-003.tgz": packed.getvalue(),
+        "train/_SUCCESS": b"",
+    }
+    write(root, options, objects)
+    with pytest.raises(ShardError, match=r"compressed tar shard \(and 1 more.*gunzip.*\.tar\.gz"):
+        RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+    with caplog.at_level(logging.WARNING):
+        dataset = RemoteDataset(
+            f"{root}/train", shards="tar", on_error="skip", storage_options=options
+        )
+    assert len(dataset) == 10 and "shard-002.tar.gz" in caplog.text
+    assert dataset[7]["cls"] == str(7 % 3).encode()
+
+
 def test_a_fixed_reader_makes_cached_samples_again(
     b2: B2Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

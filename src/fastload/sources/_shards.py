@@ -35,7 +35,8 @@ _INDEXERS = 32  # shards indexed at once
 class Shards:
     """Samples inside shard objects, read chunk by chunk (see the module docstring)."""
 
-    suffixes: tuple[str, ...]
+    suffixes: tuple[str, ...]  # lower case; keys are matched in any case (.TAR is a shard)
+    unreadable: tuple[str, ...] = ()  # the format's names it cannot read in place (.tar.gz)
     kind: str
     index_version: str  # of the index kept in the cache, and of what a sample holds
     classes: tuple[str, ...] | None = None
@@ -52,7 +53,8 @@ class Shards:
         self.root = manifest.root
         self.config = config or ChunkConfig.from_env()
         self.on_error = on_error
-        found = [e for e in manifest if e.key.endswith(self.suffixes)]
+        found = [e for e in manifest if e.key.lower().endswith(self.suffixes)]
+        self._refuse_unreadable(manifest)
         if not found:
             raise ConfigError(
                 f"no {self.kind} shards ({', '.join(self.suffixes)}) under {self.root} "
@@ -150,6 +152,17 @@ class Shards:
 
         with ThreadPoolExecutor(min(_INDEXERS, len(shards)), "fastload-index") as pool:
             return list(pool.map(one, shards))
+
+    def _refuse_unreadable(self, manifest: Manifest) -> None:
+        """Shards of this format it cannot read in place (compressed): never left out quietly."""
+        unreadable = [e for e in manifest if e.key.lower().endswith(self.unreadable)]
+        if unreadable:
+            more = f" (and {len(unreadable) - 1} more like it)" if len(unreadable) > 1 else ""
+            self._bad(
+                unreadable[0],
+                f"a compressed {self.kind} shard{more} cannot be read in place: its members "
+                "have no byte ranges to read (decompress the shards, e.g. with gunzip)",
+            )
 
     def _bad(self, shard: Entry, message: str, cause: BaseException | None = None) -> None:
         """A shard (or a member of one) that cannot be used: raise, or leave it out and say so."""

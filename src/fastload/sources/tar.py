@@ -42,6 +42,7 @@ class TarShards(Shards):
     """The samples in the ``.tar`` objects of a manifest (see the module docstring)."""
 
     suffixes = (".tar",)
+    unreadable = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".tzst")
     kind = "tar"
     index_version = INDEX_VERSION
 
