@@ -1,10 +1,11 @@
-"""fastload.DataLoader over tar shards under a real torch.distributed job: gloo, one spawned CPU
-process a rank, a real SeaweedFS server, one cache shared by the ranks as on one host."""
+"""Tar shards under a real torch.distributed job: gloo, one spawned CPU process a rank, a real
+SeaweedFS server."""
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,27 @@ BATCH = 8
 
 
 def _rank(
-    rank: int, world: int, port: int, root: str, options: dict[str, Any], cache: str, out: Any
+    rank: int, world: int, port: int, job: Callable[..., Any], args: tuple[Any, ...], out: Any
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        out[rank] = _epochs(root, options, cache)
+        out[rank] = job(*args)
     finally:
         dist.destroy_process_group()
+
+
+def _on_ranks(job: Callable[..., Any], *args: Any) -> list[Any]:
+    """``job(*args)`` on each of ``WORLD`` ranks; their results in rank order."""
+    manager = mp.get_context("spawn").Manager()
+    try:
+        out = manager.dict()
+        mp.start_processes(
+            _rank, args=(WORLD, free_port(), job, args, out), nprocs=WORLD, start_method="spawn"
+        )
+        return [out[rank] for rank in range(WORLD)]
+    finally:
+        manager.shutdown()
 
 
 def _epochs(root: str, options: dict[str, Any], cache: str) -> dict[str, Any]:
@@ -71,18 +85,8 @@ def test_ranks_read_every_sample_once_from_their_own_chunks(seaweed: Any, tmp_pa
     options = seaweed.storage_options()
     root = f"s3://{BUCKET}/loader-distributed-{uuid.uuid4().hex[:8]}"
     tar_dataset(root, options)
-    manager = mp.get_context("spawn").Manager()
-    try:
-        out = manager.dict()
-        mp.start_processes(
-            _rank,
-            args=(WORLD, free_port(), root, options, str(tmp_path / "cache"), out),
-            nprocs=WORLD,
-            start_method="spawn",
-        )
-        ranks = [out[rank] for rank in range(WORLD)]
-    finally:
-        manager.shutdown()
+    # one cache shared by the ranks, as on one host
+    ranks = _on_ranks(_epochs, root, options, str(tmp_path / "cache"))
 
     total = SHARDS * PER_SHARD
     per_rank = -(-total // WORLD)
@@ -103,3 +107,32 @@ def test_ranks_read_every_sample_once_from_their_own_chunks(seaweed: Any, tmp_pa
         assert len(chunks) <= -(-len(starts) // WORLD) + 2
         assert r["requests"][0] <= len(chunks)  # each chunk read once at most, by its rank
         assert r["requests"][1] == 0  # the second epoch comes from the shared cache
+
+
+def _indexed(root: str, options: dict[str, Any]) -> dict[str, Any]:
+    from fastload import RemoteDataset
+
+    dataset = RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+    return {
+        "bytes": dataset.fetcher.counters.bytes,
+        "names": [dataset.source.identities([i])[0][0] for i in range(len(dataset))],
+        "blocks": dataset.blocks.tolist() if dataset.blocks is not None else None,
+    }
+
+
+def test_ranks_index_a_share_of_the_shards_each_and_agree(seaweed: Any) -> None:
+    """Every rank indexed every shard: for shards of small members that is reading them whole,
+    so a job on N hosts read the whole dataset N times before its first batch. Now each rank
+    indexes a share and all get every index (no cache here: as on hosts that share none)."""
+    options = seaweed.storage_options()
+    root = f"s3://{BUCKET}/index-distributed-{uuid.uuid4().hex[:8]}"
+    objects = tar_dataset(root, options)
+    shard_bytes = sum(len(body) for key, body in objects.items() if key.endswith(".tar"))
+    ranks = _on_ranks(_indexed, root, options)
+    assert all(r["names"] == ranks[0]["names"] for r in ranks)  # the same samples, in order
+    assert all(r["blocks"] == ranks[0]["blocks"] for r in ranks)
+    assert len(set(ranks[0]["names"])) == SHARDS * PER_SHARD
+    read = [r["bytes"] for r in ranks]
+    assert sum(read) <= 1.1 * shard_bytes, (read, shard_bytes)  # the shards read once in all
+    most = -(-SHARDS // WORLD) / SHARDS  # a rank's share: 2 of the 4 shards at most
+    assert max(read) <= 1.1 * most * shard_bytes, (read, shard_bytes)

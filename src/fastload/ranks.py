@@ -4,7 +4,8 @@ One place for the ways a job's processes know each other: ``torch.distributed`` 
 process group is initialised), torch_xla's runtime (under ``torch_xla.launch``, which needs
 no process group) and, for processes outside any group (the CLI), the launcher's variables.
 The sampler shards by :func:`rank_world`; :func:`on_rank_zero` lets rank 0 list a bucket while
-the others wait and receive its result.
+the others wait and receive its result, and :func:`on_every_rank` splits work (indexing shards)
+between the ranks and hands every rank all of it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["launcher_rank_world", "on_rank_zero", "rank_world", "xla_rank_world"]
+__all__ = ["launcher_rank_world", "on_every_rank", "on_rank_zero", "rank_world", "xla_rank_world"]
 
 T = TypeVar("T")
 _calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
@@ -80,6 +81,43 @@ def on_rank_zero(build: Callable[[], T], tag: str = "fastload") -> T:
         raise value
     result: T = value
     return result
+
+
+def on_every_rank(build: Callable[[int, int], T], tag: str = "fastload") -> list[T]:
+    """``build(rank, world)`` on every rank, each its own part of some work; every rank gets
+    all the parts in rank order (or the first error of any rank, so no rank waits forever)."""
+    rank, world = rank_world()
+    if world == 1:
+        return [build(0, 1)]
+    outcome: tuple[bool, Any]
+    try:
+        outcome = (True, build(rank, world))
+    except Exception as exc:
+        outcome = (False, exc)
+    outcomes = _gather(outcome, tag)
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
+
+
+def _gather(outcome: tuple[bool, Any], tag: str) -> list[tuple[bool, Any]]:
+    """Every rank's ``outcome``, in rank order, on every rank (as :func:`_broadcast`)."""
+    rank, world = rank_world()
+    if _torch_distributed():
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, outcome)
+        return gathered
+    store = _store(rank)
+    key = f"fastload/{tag}/{next(_calls.setdefault(rank, itertools.count()))}"
+    store.set(f"{key}/{rank}", pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.wait(keys, _WAIT)
+    outcomes = [pickle.loads(store.get(k)) for k in keys]
+    if store.add(f"{key}/read", 1) == world:  # the last to read clears the parts
+        for k in keys:
+            store.delete_key(k)
+    return outcomes
 
 
 def _broadcast(outcome: tuple[bool, Any] | None, tag: str) -> tuple[bool, Any]:

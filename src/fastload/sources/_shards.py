@@ -21,6 +21,7 @@ from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, DecodeError, FastloadError, ShardError, StoreError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest, ShardIndexes
+from fastload.ranks import on_every_rank
 from fastload.sources import Part, Sample
 from fastload.sources._chunks import Chunk, ChunkReader
 
@@ -133,7 +134,10 @@ class Shards:
         stored: dict[tuple[str, str], dict[str, np.ndarray]],
     ) -> list[dict[str, np.ndarray] | BaseException]:
         """Every shard's index (or its failure): ``stored`` with the manifest, else from the
-        cache when it holds this version, else read from the shard."""
+        cache when it holds this version, else read from the shard. Under several ranks each
+        indexes a share of the shards and all get every index: a job on ``N`` hosts reads
+        the shards' headers (for small members, the whole shards) once, not ``N`` times, and
+        every rank sees the same shards fail, so all hold the same samples."""
 
         def made(entry: Entry) -> dict[str, np.ndarray] | BaseException:
             try:
@@ -150,8 +154,21 @@ class Shards:
             (index,) = cache.get_many([name], lambda _: [made(entry)])
             return index  # type: ignore[no-any-return]
 
-        with ThreadPoolExecutor(min(_INDEXERS, len(shards)), "fastload-index") as pool:
-            return list(pool.map(one, shards))
+        def part(rank: int, world: int) -> list[dict[str, np.ndarray] | BaseException]:
+            with ThreadPoolExecutor(_INDEXERS, "fastload-index") as pool:
+                return list(pool.map(one, todo[rank::world]))
+
+        todo = [entry for entry in shards if (entry.key, entry.version) not in stored]
+        parts = on_every_rank(part, "shard-indexes") if todo else []
+        made_by = {
+            (entry.key, entry.version): index
+            for rank, indexes in enumerate(parts)
+            for entry, index in zip(todo[rank :: len(parts)], indexes, strict=True)
+        }
+        return [
+            made_by[e.key, e.version] if (e.key, e.version) in made_by else stored[e.key, e.version]
+            for e in shards
+        ]
 
     def _refuse_unreadable(self, manifest: Manifest) -> None:
         """Shards of this format it cannot read in place (compressed): never left out quietly."""
