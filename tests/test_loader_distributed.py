@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ def _rank(
     rank: int, world: int, port: int, job: Callable[..., Any], args: tuple[Any, ...], out: Any
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
     try:
         out[rank] = job(*args)
     finally:
@@ -136,3 +137,32 @@ def test_ranks_index_a_share_of_the_shards_each_and_agree(seaweed: Any) -> None:
     assert sum(read) <= 1.1 * shard_bytes, (read, shard_bytes)  # the shards read once in all
     most = -(-SHARDS // WORLD) / SHARDS  # a rank's share: 2 of the 4 shards at most
     assert max(read) <= 1.1 * most * shard_bytes, (read, shard_bytes)
+
+
+def _evaluate_on_rank_zero(root: str, options: dict[str, Any]) -> list[int]:
+    import fastload
+    from fastload import RemoteDataset
+    from tests.test_shards import DECODE
+
+    seen = []
+    if dist.get_rank() == 0:  # the others never make it: nothing may wait on them
+        with fastload.this_rank_only():
+            dataset = RemoteDataset(
+                f"{root}/train", shards="tar", decode=DECODE, storage_options=options
+            )
+            loader = fastload.DataLoader(dataset, batch_size=BATCH, collate_fn=list)
+        seen = [item["meta.json"]["n"] for batch in loader for item in batch]
+    dist.barrier()
+    return seen
+
+
+def test_a_dataset_made_on_rank_zero_alone_reads_everything_without_waiting(
+    seaweed: Any,
+) -> None:
+    """An evaluation on rank 0 only: without this_rank_only, its dataset waits for the other
+    ranks to share a listing, and its loader would give rank 0 only its share."""
+    options = seaweed.storage_options()
+    root = f"s3://{BUCKET}/rank-zero-{uuid.uuid4().hex[:8]}"
+    tar_dataset(root, options)
+    seen = _on_ranks(_evaluate_on_rank_zero, root, options)
+    assert sorted(seen[0]) == list(range(SHARDS * PER_SHARD)) and seen[1:] == [[], []]

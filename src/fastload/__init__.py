@@ -25,6 +25,7 @@ from fastload.errors import (
 from fastload.fetcher import Fetcher, Request, fetch
 from fastload.loader import DataLoader
 from fastload.manifest import Entry, Manifest, ManifestChanges
+from fastload.ranks import this_rank_only
 from fastload.resources import shutdown
 from fastload.sampler import PermutationSampler, WeightedSampler
 from fastload.stall import diagnose
@@ -69,5 +70,6 @@ __all__ = [
     "diagnose",
     "fetch",
     "shutdown",
+    "this_rank_only",
     "versioned",
 ]

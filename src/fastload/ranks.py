@@ -10,21 +10,31 @@ between the ranks and hands every rank all of it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import os
 import pickle
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["launcher_rank_world", "on_every_rank", "on_rank_zero", "rank_world", "xla_rank_world"]
+__all__ = [
+    "launcher_rank_world",
+    "on_every_rank",
+    "on_rank_zero",
+    "rank_world",
+    "this_rank_only",
+    "xla_rank_world",
+]
 
 T = TypeVar("T")
 _calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
+_alone: contextvars.ContextVar[bool] = contextvars.ContextVar("fastload_alone", default=False)
 _WAIT = timedelta(hours=6)  # rank 0 may list a large bucket for a long time
 
 
@@ -58,8 +68,29 @@ def launcher_rank_world(environ: Mapping[str, str] = os.environ) -> tuple[int, i
     return (int(rank), int(world)) if rank and world else (0, 1)
 
 
+@contextlib.contextmanager
+def this_rank_only() -> Iterator[None]:
+    """Make things for this rank alone: inside, fastload acts as in a job of one process.
+
+    Under torch.distributed or torch_xla, a dataset lists on rank 0 and shares the listing,
+    indexes shards a share per rank, and a loader gives each rank its share of the samples:
+    all ranks must make the same datasets and loaders. A dataset made on one rank only (an
+    evaluation on rank 0) would wait forever for the others, and its loader would give rank 0
+    only its share. Made inside ``with fastload.this_rank_only():``, it lists and indexes by
+    itself, and its loader takes every sample (iterate it anywhere).
+    """
+    token = _alone.set(True)
+    try:
+        yield
+    finally:
+        _alone.reset(token)
+
+
 def rank_world() -> tuple[int, int]:
-    """``(rank, world size)``: torch.distributed's, else torch_xla's, else ``(0, 1)``."""
+    """``(rank, world size)``: torch.distributed's, else torch_xla's, else ``(0, 1)``; ``(0,
+    1)`` inside :func:`this_rank_only`."""
+    if _alone.get():
+        return 0, 1
     if _torch_distributed():
         return dist.get_rank(), dist.get_world_size()
     return xla_rank_world() or (0, 1)
