@@ -8,7 +8,9 @@ from construction) and a warm epoch, and prints its rates. The parent samples th
 process tree every 50 ms for the peak. Readers run interleaved, ``repeats`` times; medians.
 
 Readers (batch 32, shuffled). Every peer runs at each DataLoader worker count in
-``PEER_WORKERS`` and at its own best documented settings; fastload runs at its defaults:
+``PEER_WORKERS`` and at its own best documented settings, with persistent workers (torch's
+``persistent_workers``, as fastload's loader has by default: without it every epoch starts its
+workers again, and each worker its store client); fastload runs at its defaults:
 - torch DataLoader + RandomSampler over the store's fsspec filesystem (s3fs, gcsfs, b2);
 - the same over fsspec's whole-file cache (``filecache``): warm epochs read local copies;
 - AWS s3torchconnector ``S3MapDataset`` (S3 only);
@@ -142,7 +144,11 @@ class FsspecArrays(Dataset[torch.Tensor]):
 def _torch_fsspec(spec: Spec, *, cached: bool) -> Iterable[Any]:
     dataset = FsspecArrays(spec, cached=cached)
     return DataLoader(
-        dataset, batch_size=spec.batch, sampler=RandomSampler(dataset), num_workers=spec.workers
+        dataset,
+        batch_size=spec.batch,
+        sampler=RandomSampler(dataset),
+        num_workers=spec.workers,
+        persistent_workers=spec.workers > 0,
     )
 
 
@@ -157,7 +163,11 @@ def _s3torchconnector(spec: Spec) -> Iterable[Any]:
         transform=lambda obj: _load(obj.read()),
     )
     return DataLoader(
-        dataset, batch_size=BATCH, sampler=RandomSampler(dataset), num_workers=spec.workers
+        dataset,
+        batch_size=BATCH,
+        sampler=RandomSampler(dataset),
+        num_workers=spec.workers,
+        persistent_workers=spec.workers > 0,
     )
 
 
@@ -174,7 +184,9 @@ def _litdata(spec: Spec) -> Iterable[Any]:
         shuffle=True,
         storage_options={"endpoint_url": spec.options["endpoint_url"]},
     )
-    return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=spec.workers)
+    return litdata.StreamingDataLoader(
+        dataset, batch_size=BATCH, num_workers=spec.workers, persistent_workers=spec.workers > 0
+    )
 
 
 def _fresh_mosaic_clients(worker: int) -> None:
@@ -248,7 +260,9 @@ def _webdataset(spec: Spec) -> Iterable[Any]:
         .map_tuple(torch.from_numpy)
         .batched(spec.batch, partial=True)
     )
-    return wds.WebLoader(dataset, batch_size=None, num_workers=spec.workers)
+    return wds.WebLoader(
+        dataset, batch_size=None, num_workers=spec.workers, persistent_workers=spec.workers > 0
+    )
 
 
 def _take_npy(sample: dict[str, np.ndarray]) -> np.ndarray:
