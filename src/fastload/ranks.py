@@ -133,47 +133,44 @@ def on_every_rank(build: Callable[[int, int], T], tag: str = "fastload") -> list
 
 
 def _gather(outcome: tuple[bool, Any], tag: str) -> list[tuple[bool, Any]]:
-    """Every rank's ``outcome``, in rank order, on every rank (as :func:`_broadcast`)."""
-    rank, world = rank_world()
+    """Every rank's ``outcome``, in rank order, on every rank."""
     if _torch_distributed():
-        gathered: list[Any] = [None] * world
+        gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, outcome)
         return gathered
-    store = _store(rank)
-    key = f"fastload/{tag}/{next(_calls.setdefault(rank, itertools.count()))}"
-    store.set(f"{key}/{rank}", pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
-    keys = [f"{key}/{r}" for r in range(world)]
-    store.wait(keys, _WAIT)
-    outcomes = [pickle.loads(store.get(k)) for k in keys]
-    if store.add(f"{key}/read", 1) == world:  # the last to read clears the parts
-        for k in keys:
-            store.delete_key(k)
-    return outcomes
+    return _exchange(outcome, tag)
 
 
 def _broadcast(outcome: tuple[bool, Any] | None, tag: str) -> tuple[bool, Any]:
-    """Rank 0's ``outcome`` on every rank: through torch.distributed's process group, or,
-    under torch_xla with none, through a key-value store that rank 0 serves (XLA collectives
-    would do on TPUs, but XLA:CPU has none across processes)."""
+    """Rank 0's ``outcome`` on every rank."""
     if _torch_distributed():
         payload: list[Any] = [outcome]
         dist.broadcast_object_list(payload, src=0)
         received: tuple[bool, Any] = payload[0]
         return received
+    sent: tuple[bool, Any] = _exchange(outcome, tag)[0]
+    return sent
+
+
+def _exchange(outcome: Any, tag: str) -> list[Any]:
+    """Every rank's ``outcome`` on every rank, under torch_xla with no process group: through
+    a key-value store that rank 0 serves (XLA collectives would do on TPUs, but XLA:CPU has none
+    across processes). Rank 0 stays until every rank has read, then clears the keys."""
     rank, world = rank_world()
     store = _store(rank)
     calls = _calls.setdefault(rank, itertools.count())
     key = f"fastload/{tag}/{next(calls)}"  # every rank makes the same calls in the same order
-    if rank == 0:
-        store.set(key, pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
-        while store.add(f"{key}/read", 0) < world - 1:  # rank 0 serves until all have it
-            time.sleep(0.01)
-        store.delete_key(key)
-        return outcome  # type: ignore[return-value]
-    store.wait([key], _WAIT)
-    sent: tuple[bool, Any] = pickle.loads(store.get(key))
+    store.set(f"{key}/{rank}", pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.wait(keys, _WAIT)
+    outcomes = [pickle.loads(store.get(k)) for k in keys]
     store.add(f"{key}/read", 1)
-    return sent
+    if rank == 0:
+        while store.add(f"{key}/read", 0) < world:
+            time.sleep(0.01)
+        for k in keys:
+            store.delete_key(k)
+    return outcomes
 
 
 _stores: dict[tuple[int, int], Any] = {}
