@@ -392,6 +392,73 @@ def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) 
     assert dataset.fetcher.counters.requests - before == 9 - 1  # row group 0 of batch_2 was read
 
 
+def test_parquet_columns_read_only_those_columns(seaweed: S3Server, tmp_path: Path) -> None:
+    """A wide file (an image column beside its labels, as LAION-style metadata has it) read
+    for two columns: rows hold those alone, their bytes alone are fetched, and the cache keeps
+    rows of other columns apart."""
+    root = f"s3://{BUCKET}/columns-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    rng = np.random.default_rng(2)
+    n = 120
+    table = pa.table(
+        {
+            "image": [rng.integers(0, 256, 30_000, dtype=np.uint8).tobytes() for _ in range(n)],
+            "id": pa.array([2**60 + i for i in range(n)], pa.int64()),
+            "label": pa.array([None if i % 7 == 0 else i % 5 for i in range(n)], pa.int16()),
+            "box": pa.array([{"x": i, "y": -i} for i in range(n)]),
+        }
+    )
+    write(
+        root,
+        options,
+        {f"laion/part-{p}.parquet": parquet(table, row_group_size=40) for p in range(2)},
+    )
+    whole = RemoteDataset(f"{root}/laion", shards="parquet", storage_options=options)
+    cache = Cache(tmp_path / "c")
+    picked = RemoteDataset(
+        f"{root}/laion",
+        shards="parquet",
+        columns=["id", "label"],
+        cache=cache,
+        storage_options=options,
+    )
+    for dataset in (whole, picked):
+        before = dataset.fetcher.counters.bytes
+        rows = [
+            r
+            for batch in fastload.DataLoader(dataset, batch_size=40, collate_fn=list)
+            for r in batch
+        ]
+        dataset.read_bytes = dataset.fetcher.counters.bytes - before  # type: ignore[attr-defined]
+        assert len(rows) == 2 * n
+    assert set(rows[0]) == {"id", "label"}  # the last loop's rows: picked's
+    assert rows[121]["id"] == 2**60 + 1 and rows[121]["label"] == 1 and rows[7]["label"] is None
+    assert picked.read_bytes < whole.read_bytes / 20  # type: ignore[attr-defined]
+    assert whole[3]["box"] == {"x": 3, "y": -3}
+
+    more = RemoteDataset(  # other columns: not the rows cached for ["id", "label"]
+        f"{root}/laion",
+        shards="parquet",
+        columns=["label", "box"],
+        cache=cache,
+        storage_options=options,
+    )
+    hits = cache.counters.hits
+    assert set(more[5]) == {"label", "box"} and cache.counters.hits == hits
+    assert set(picked[5]) == {"id", "label"} and cache.counters.hits == hits + 1
+
+    with pytest.raises(ShardError, match=r"no column 'caption' to read .*'image'.*part-0"):
+        RemoteDataset(
+            f"{root}/laion", shards="parquet", columns=["id", "caption"], storage_options=options
+        )
+    with pytest.raises(ConfigError, match="columns names a column twice"):
+        RemoteDataset(
+            f"{root}/laion", shards="parquet", columns=["id", "id"], storage_options=options
+        )
+    with pytest.raises(ConfigError, match="need shards='parquet'"):
+        RemoteDataset(f"{root}/laion", columns=["id"], storage_options=options)
+
+
 def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
     root = f"gs://{BUCKET}/bad-parquet-{uuid.uuid4().hex[:8]}"
     options = gcs.storage_options()
@@ -499,7 +566,7 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
         RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
     with pytest.raises(ShardError, match=r"row_key 'evt' is not a column .*'event_id'"):
         RemoteDataset(root, shards="parquet", row_key="evt", storage_options=options)
-    with pytest.raises(ConfigError, match="needs shards='parquet'"):
+    with pytest.raises(ConfigError, match="need shards='parquet'"):
         RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)
 
 

@@ -247,6 +247,8 @@ class RemoteDataset(_Batched):
         shard-aware shuffling. ``on_error="skip"`` also leaves out a shard that cannot be
         indexed, naming it. ``row_key`` (parquet): each run of rows sharing a value of that
         column is one sample (``{column: array}``), e.g. the pulses of one ``event_id``.
+        ``columns`` (parquet): read only these columns (a row holds them alone; the bytes of
+        the others are not fetched where the chosen ones lie together in the file).
     decode: a decoder name (``"image"``, ``"npy"``, ...), a callable, or None: the payload as
         read (bytes, ``{name: bytes}``, a parquet row).
     transform: deterministic preprocessing, cached with the sample.
@@ -293,6 +295,7 @@ class RemoteDataset(_Batched):
         members: int | Sequence[str] | None = None,
         shards: ShardFormat | None = None,
         row_key: str | None = None,
+        columns: Sequence[str] | None = None,
         chunks: ChunkConfig | None = None,
         on_error: OnError = "raise",
         on_change: OnChange | None = None,
@@ -303,6 +306,8 @@ class RemoteDataset(_Batched):
         reuse_listing: bool = True,
     ) -> None:
         _check_policies(on_error, on_change, shards, limit, cache)
+        if shards != "parquet" and (row_key is not None or columns is not None):
+            raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
         self.listing_check: Future[ManifestChanges] | None = None
         listing: Path | None = None  # where the listing is saved
         if isinstance(source, Manifest):
@@ -334,13 +339,12 @@ class RemoteDataset(_Batched):
                 chunks=chunks,
                 on_error=on_error,
                 row_key=row_key,
+                columns=columns,
             )
             self.manifest = shard_source.manifest  # with the shards' indexes
             if listing is not None and self.manifest is not manifest and rank_world()[0] == 0:
                 save_listing(self.manifest, listing)  # a restart reads no shard to index it
             self.source = shard_source
-        elif row_key is not None:
-            raise ConfigError("row_key groups the rows of parquet files: it needs shards='parquet'")
         elif group_by is None:
             if labels is not None:
                 manifest = _labelled(manifest, labels, label_key, label_field)
@@ -573,13 +577,18 @@ def _shard_source(
     chunks: ChunkConfig | None,
     on_error: OnError,
     row_key: str | None,
+    columns: Sequence[str] | None,
 ) -> Shards:
     if shards == "parquet":
         return ParquetShards(
-            manifest, fetcher, row_key=row_key, cache=cache, config=chunks, on_error=on_error
+            manifest,
+            fetcher,
+            row_key=row_key,
+            columns=columns,
+            cache=cache,
+            config=chunks,
+            on_error=on_error,
         )
-    if row_key is not None:
-        raise ConfigError("row_key groups the rows of parquet files: it needs shards='parquet'")
     if shards == "tar":
         return TarShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
     raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")

@@ -208,6 +208,13 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             "training gives it: the cached samples are named by it)."
         ),
     ] = None,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            help="With --shards parquet: the columns to read, comma-separated (as training "
+            "reads them: the cached samples are named by them)."
+        ),
+    ] = None,
     labels: Annotated[
         str | None,
         typer.Option(
@@ -290,6 +297,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             incomplete=incomplete,  # type: ignore[arg-type]  # checked above
             shards=shards,  # type: ignore[arg-type]  # checked above
             row_key=row_key,
+            columns=None if columns is None else columns.split(","),
             labels=labels,
             label_key=label_key,
             label_field=label_field,

@@ -17,13 +17,14 @@ process. Needs ``fastload[parquet]``.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fastload._extras import import_extra
-from fastload.errors import ShardError
+from fastload.errors import ConfigError, ShardError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest, Strings
 from fastload.sources._chunks import Chunk
@@ -49,10 +50,17 @@ class ParquetShards(Shards):
     kind = "parquet"
 
     def __init__(
-        self, manifest: Manifest, fetcher: Fetcher, *, row_key: str | None = None, **kwargs: Any
+        self,
+        manifest: Manifest,
+        fetcher: Fetcher,
+        *,
+        row_key: str | None = None,
+        columns: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> None:
         _parquet()  # the extra is missing: say so now, not at the first read
         self.row_key = row_key
+        self.columns = _chosen(columns)
         self.index_version = INDEX_VERSION + ("" if row_key is None else f"|runs of {row_key}")
         self._footers: list[bytes] = []  # per shard
         self._groups: list[list[int]] = []  # per chunk: its row groups
@@ -110,12 +118,24 @@ class ParquetShards(Shards):
             )
         return np.concatenate([_numpy(c) for c in columns]) if columns else np.zeros(0)
 
+    @property
+    def reader_version(self) -> str:
+        """The index's version, and the columns read: a row of other columns is another
+        sample to the cache."""
+        chosen = "" if self.columns is None else f"|columns {list(self.columns)}"
+        return self.index_version + chosen
+
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         footer = index["footer"].tobytes()
         try:
             meta = self._parsed(entry, footer)
         except ShardError as exc:
             self._bad(entry, str(exc), exc)
+            return
+        names = meta.schema.to_arrow_schema().names
+        missing = [c for c in self.columns or () if c not in names]
+        if missing:
+            self._bad(entry, f"no column {missing[0]!r} to read (columns: {names})")
             return
         self._footers.append(footer)
         runs = index.get("runs")
@@ -146,7 +166,7 @@ class ParquetShards(Shards):
         keys: list[str] | None,
     ) -> None:
         """One chunk: the row groups ``groups`` (rows ``first`` to ``stop`` of the shard)."""
-        ranges = [_byte_range(meta.row_group(g)) for g in groups]
+        ranges = [_byte_range(meta.row_group(g), self.columns) for g in groups]
         label = f"row group {groups[0]}" + (f"-{groups[-1]}" if len(groups) > 1 else "")
         self._chunk(shard, self._count, min(a for a, _ in ranges), max(b for _, b in ranges), label)
         self._groups.append(groups)
@@ -176,7 +196,8 @@ class ParquetShards(Shards):
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
         parts = {chunk.start: bytes(body)}  # pyarrow reads bytes: obstore's buffer is copied
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
-        table = file.read_row_groups(self._groups[chunk.index])
+        chosen = None if self.columns is None else list(self.columns)
+        table = file.read_row_groups(self._groups[chunk.index], columns=chosen)
         columns = {name: _numpy(table.column(name)) for name in table.column_names}
         return _RowGroup(columns, int(table.nbytes))
 
@@ -271,10 +292,33 @@ def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
     return bytes(tail[-length:])
 
 
-def _byte_range(group: Any) -> tuple[int, int]:
-    """The bytes of a row group: from its first column chunk to the end of its last."""
-    ranges = [_column_range(group.column(c)) for c in range(group.num_columns)]
+def _byte_range(group: Any, columns: tuple[str, ...] | None) -> tuple[int, int]:
+    """The bytes of a row group's ``columns`` (all when None): from the first of their column
+    chunks to the end of the last (a nested column's chunks are named ``column.field...``)."""
+    chunks = [group.column(c) for c in range(group.num_columns)]
+    if columns is not None:
+        chunks = [
+            chunk
+            for chunk in chunks
+            if any(
+                chunk.path_in_schema.startswith(f"{c}.") or chunk.path_in_schema == c
+                for c in columns
+            )
+        ]
+    ranges = [_column_range(chunk) for chunk in chunks]
     return min(a for a, _ in ranges), max(b for _, b in ranges)
+
+
+def _chosen(columns: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``columns`` as a tuple of distinct names, or a ConfigError."""
+    if columns is None:
+        return None
+    chosen = (columns,) if isinstance(columns, str) else tuple(columns)
+    if not chosen or not all(isinstance(c, str) and c for c in chosen):
+        raise ConfigError(f"columns must be a non-empty list of column names, got {columns!r}")
+    if len(set(chosen)) < len(chosen):
+        raise ConfigError(f"columns names a column twice: {columns!r}")
+    return chosen
 
 
 def _column_range(column: Any) -> tuple[int, int]:
