@@ -569,3 +569,28 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
     assert all(dataset.cache.contains_many([dataset._cache_name(i) for i in range(96)]))
     if workers == 0:
         assert dataset.stats()["cache"]["misses"] == filled
+
+
+def test_a_workers_counters_lose_no_count_added_while_they_are_drained() -> None:
+    """A worker drains its counters into each batch while its lookahead thread counts fetches.
+    Draining copied the counters and then zeroed them, losing what was added in between: the
+    four-process cache test saw 296 fetches for 300 objects. Under contention here the old
+    drain lost about 40% of 300,000 counts."""
+    from fastload.stats import StageCounters
+
+    counters, adds, done = StageCounters(), 300_000, threading.Event()
+
+    def count() -> None:
+        for _ in range(adds):
+            counters.fetch.objects += 1
+        done.set()
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    drained = 0
+    while not done.is_set():
+        drained += counters.drain().fetch.objects
+    thread.join()
+    drained += counters.drain().fetch.objects
+    assert drained == adds
+    assert counters.drain().fetch.objects == 0  # nothing new: nothing twice

@@ -21,7 +21,6 @@ __all__ = [
     "StageCounters",
     "StepStats",
     "merge_counters",
-    "reset_counters",
 ]
 
 _MAX_KEYS = 100  # skipped keys kept per process
@@ -140,6 +139,9 @@ class DatasetStats:
         }
 
 
+_STAGES = ("dataset", "fetch", "cache")
+
+
 @dataclass
 class StageCounters:
     """The dataset, fetch and cache counters of one process, as one mergeable value.
@@ -153,20 +155,25 @@ class StageCounters:
     cache: CacheStats = field(default_factory=CacheStats)
 
     def merge(self, other: StageCounters) -> None:
-        for name in ("dataset", "fetch", "cache"):
+        for name in _STAGES:
             merge_counters(getattr(self, name), getattr(other, name))
 
     def drain(self) -> StageCounters:
-        """A copy of the counters so far; the live ones start again from zero."""
-        taken = copy.deepcopy(self)
-        for name in ("dataset", "fetch", "cache"):
-            reset_counters(getattr(self, name))
+        """What was counted since the last drain (everything, the first time).
+
+        The live counters are never reset: a count another thread adds while this runs (a
+        DataLoader worker's lookahead fetches while its batch is collated) lands in the next
+        drain. Copying and then zeroing them lost such counts.
+        """
+        now = StageCounters(*(copy.deepcopy(getattr(self, n)) for n in _STAGES))
+        taken = now.since(self.__dict__.get("_drained") or StageCounters())
+        self.__dict__["_drained"] = now
         return taken
 
     def since(self, earlier: StageCounters) -> StageCounters:
         """What was counted since ``earlier`` (a copy of these counters taken before)."""
         out = StageCounters()
-        for name in ("dataset", "fetch", "cache"):
+        for name in _STAGES:
             _minus(getattr(out, name), getattr(self, name), getattr(earlier, name))
         return out
 
@@ -200,19 +207,6 @@ def _minus(into: Any, now: Any, earlier: Any) -> None:
             setattr(into, f.name, [k for k in new if k not in old])
         else:
             setattr(into, f.name, new - old)
-
-
-def reset_counters(counters: Any) -> None:
-    """Zero a counter dataclass in place (objects holding it keep counting into it)."""
-    for f in fields(counters):
-        value = getattr(counters, f.name)
-        if isinstance(value, Histogram):
-            value.counts[:] = 0
-            value.total = 0.0
-        elif isinstance(value, list):
-            value.clear()
-        else:
-            setattr(counters, f.name, type(value)())
 
 
 @dataclass
