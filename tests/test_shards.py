@@ -394,17 +394,17 @@ def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) 
 
 
 def test_parquet_columns_read_only_those_columns(seaweed: S3Server, tmp_path: Path) -> None:
-    """A wide file (an image column beside its labels, as LAION-style metadata has it) read
-    for two columns: rows hold those alone, their bytes alone are fetched, and the cache keeps
-    rows of other columns apart."""
+    """A wide file (an image column between an id and its labels) read for two columns: rows
+    hold those alone, their bytes alone are fetched (two ranges a row group: the image column
+    between them is not), and the cache keeps rows of other columns apart."""
     root = f"s3://{BUCKET}/columns-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
     rng = np.random.default_rng(2)
     n = 120
     table = pa.table(
         {
-            "image": [rng.integers(0, 256, 30_000, dtype=np.uint8).tobytes() for _ in range(n)],
             "id": pa.array([2**60 + i for i in range(n)], pa.int64()),
+            "image": [rng.integers(0, 256, 30_000, dtype=np.uint8).tobytes() for _ in range(n)],
             "label": pa.array([None if i % 7 == 0 else i % 5 for i in range(n)], pa.int16()),
             "box": pa.array([{"x": i, "y": -i} for i in range(n)]),
         }
@@ -435,6 +435,12 @@ def test_parquet_columns_read_only_those_columns(seaweed: S3Server, tmp_path: Pa
     assert set(rows[0]) == {"id", "label"}  # the last loop's rows: picked's
     assert rows[121]["id"] == 2**60 + 1 and rows[121]["label"] == 1 and rows[7]["label"] is None
     assert picked.read_bytes < whole.read_bytes / 20  # type: ignore[attr-defined]
+    apart = RemoteDataset(
+        f"{root}/laion", shards="parquet", columns=["label", "id"], storage_options=options
+    )  # through workers: they share the chunks of two ranges in their scratch cache
+    loader = fastload.DataLoader(apart, batch_size=40, num_workers=2, collate_fn=list)
+    ids = sorted(int(r["id"]) - 2**60 for batch in loader for r in batch)
+    assert ids == sorted(list(range(n)) * 2)
     assert whole[3]["box"] == {"x": 3, "y": -3}
 
     more = RemoteDataset(  # other columns: not the rows cached for ["id", "label"]

@@ -248,7 +248,7 @@ class RemoteDataset(_Batched):
         indexed, naming it. ``row_key`` (parquet): each run of rows sharing a value of that
         column is one sample (``{column: array}``), e.g. the pulses of one ``event_id``.
         ``columns`` (parquet): read only these columns (a row holds them alone; the bytes of
-        the others are not fetched where the chosen ones lie together in the file).
+        the others are not fetched).
     decode: a decoder name (``"image"``, ``"npy"``, ...), a callable, or None: the payload as
         read (bytes, ``{name: bytes}``, a parquet row).
     transform: deterministic preprocessing, cached with the sample.

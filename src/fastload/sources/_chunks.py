@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Chunk:
-    """The byte range ``[start, end)`` of the shard at ``url`` (``size`` bytes, ``version``)."""
+    """The byte range ``[start, end)`` of the shard at ``url`` (``size`` bytes, ``version``),
+    or only the ``spans`` of it, when given (parquet columns apart: what lies between them is
+    not read)."""
 
     url: str
     version: str
@@ -56,6 +58,12 @@ class Chunk:
     end: int
     label: str  # names it in errors: "row group 3", "bytes 0-15728640"
     index: int  # its position among its source's chunks
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges read, in order; the chunk's bytes are theirs joined."""
+        return self.spans or ((self.start, self.end),)
 
 
 class ChunkReader:
@@ -130,9 +138,14 @@ class ChunkReader:
         return out
 
     def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
-        requests = [Request(c.url, c.start, c.end, size=c.size, version=c.version) for c in chunks]
+        requests = [
+            Request(c.url, a, b, size=c.size, version=c.version)
+            for c in chunks
+            for a, b in c.ranges
+        ]
         self.reads += len(chunks)
-        return fetcher.fetch(requests, return_exceptions=True, buffers=True)
+        bodies = iter(fetcher.fetch(requests, return_exceptions=True, buffers=True))
+        return [_joined([next(bodies) for _ in c.ranges]) for c in chunks]
 
     def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""
@@ -220,9 +233,19 @@ class ChunkReader:
             self._unshared.pop(gone, None)  # held no longer: not to be shared either
 
 
+def _joined(bodies: list[Any]) -> Any:
+    """A chunk's bytes from the bodies of its ranges, or the first of their failures."""
+    failed = [body for body in bodies if isinstance(body, BaseException)]
+    if failed:
+        return failed[0]
+    return bodies[0] if len(bodies) == 1 else b"".join(bodies)
+
+
 def _shared_name(chunk: Chunk) -> str:
-    """The chunk's name in the scratch cache the workers share."""
-    return Cache.name(chunk.url, chunk.version, f"chunk:{chunk.start}-{chunk.end}")
+    """The chunk's name in the scratch cache the workers share (by its ranges: two datasets
+    reading other columns of one row group share no bytes)."""
+    ranges = ",".join(f"{a}-{b}" for a, b in chunk.ranges)
+    return Cache.name(chunk.url, chunk.version, f"chunk:{ranges}")
 
 
 _SCRATCH = "fastload-chunks-"

@@ -191,10 +191,20 @@ class Shards:
             raise error
         log.warning("%s shards (on_error='skip'): leaving out %s", self.kind, error)
 
-    def _chunk(self, shard: int, first: int, start: int, end: int, label: str = "") -> None:
+    def _chunk(
+        self,
+        shard: int,
+        first: int,
+        start: int,
+        end: int,
+        label: str = "",
+        *,
+        spans: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         entry = self.shards[shard]
         label = label or f"bytes {start}-{end}"
-        chunk = Chunk(entry.url, entry.version, entry.size, start, end, label, len(self._chunks))
+        index = len(self._chunks)
+        chunk = Chunk(entry.url, entry.version, entry.size, start, end, label, index, spans)
         self._chunks.append(chunk)
         self._chunk_shard.append(shard)
         self._firsts.append(first)
@@ -211,7 +221,7 @@ class Shards:
         c = self._chunk_of(index)
         chunk, entry = self._chunks[c], self.shards[self._chunk_shard[c]]
         name = self._name(index)
-        nbytes = (chunk.end - chunk.start) // max(1, self._samples_in(c))
+        nbytes = sum(b - a for a, b in chunk.ranges) // max(1, self._samples_in(c))
         part = Part(entry.key, entry.url, nbytes, entry.version)
         return Sample(name, f"{entry.url}#{name}", entry.version, (part,), index=index)
 

@@ -35,6 +35,7 @@ __all__ = ["ParquetShards"]
 INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
 _MAGIC = b"PAR1"
 _TAIL = 64 << 10  # the first suffix read: most footers fit
+_SPAN_GAP = 1 << 20  # bytes between chosen columns read rather than skipped (a request costs more)
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,10 @@ class ParquetShards(Shards):
         keys: list[str] | None,
     ) -> None:
         """One chunk: the row groups ``groups`` (rows ``first`` to ``stop`` of the shard)."""
-        ranges = [_byte_range(meta.row_group(g), self.columns) for g in groups]
+        spans = _spans([meta.row_group(g) for g in groups], self.columns)
         label = f"row group {groups[0]}" + (f"-{groups[-1]}" if len(groups) > 1 else "")
-        self._chunk(shard, self._count, min(a for a, _ in ranges), max(b for _, b in ranges), label)
+        apart = tuple(spans) if len(spans) > 1 else ()
+        self._chunk(shard, self._count, spans[0][0], spans[-1][1], label, spans=apart)
         self._groups.append(groups)
         self._rows_before.append(first)
         if runs is None or keys is None:
@@ -194,7 +196,10 @@ class ParquetShards(Shards):
 
     def _load(self, chunk: Chunk, body: bytes | memoryview) -> _RowGroup:
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
-        parts = {chunk.start: bytes(body)}  # pyarrow reads bytes: obstore's buffer is copied
+        parts, at = {}, 0  # pyarrow reads bytes: obstore's buffer is copied
+        for a, b in chunk.ranges:
+            parts[a] = bytes(body[at : at + b - a])
+            at += b - a
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         chosen = None if self.columns is None else list(self.columns)
         table = file.read_row_groups(self._groups[chunk.index], columns=chosen)
@@ -292,10 +297,11 @@ def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
     return bytes(tail[-length:])
 
 
-def _byte_range(group: Any, columns: tuple[str, ...] | None) -> tuple[int, int]:
-    """The bytes of a row group's ``columns`` (all when None): from the first of their column
-    chunks to the end of the last (a nested column's chunks are named ``column.field...``)."""
-    chunks = [group.column(c) for c in range(group.num_columns)]
+def _spans(groups: list[Any], columns: tuple[str, ...] | None) -> list[tuple[int, int]]:
+    """The bytes of row groups' ``columns`` (all when None), in order: their column chunks'
+    ranges, joined where less than ``_SPAN_GAP`` lies between (a nested column's chunks are
+    named ``column.field...``)."""
+    chunks = [group.column(c) for group in groups for c in range(group.num_columns)]
     if columns is not None:
         chunks = [
             chunk
@@ -305,8 +311,13 @@ def _byte_range(group: Any, columns: tuple[str, ...] | None) -> tuple[int, int]:
                 for c in columns
             )
         ]
-    ranges = [_column_range(chunk) for chunk in chunks]
-    return min(a for a, _ in ranges), max(b for _, b in ranges)
+    spans: list[tuple[int, int]] = []
+    for a, b in sorted(_column_range(chunk) for chunk in chunks):
+        if spans and a - spans[-1][1] < _SPAN_GAP:
+            spans[-1] = (spans[-1][0], max(b, spans[-1][1]))
+        else:
+            spans.append((a, b))
+    return spans
 
 
 def _chosen(columns: Sequence[str] | None) -> tuple[str, ...] | None:
