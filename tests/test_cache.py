@@ -1238,3 +1238,31 @@ def test_a_full_disk_serves_samples_uncached_and_stores_again_once_there_is_room
     hits = cache.counters.hits
     assert np.array_equal(dataset[1], expected[dataset.source[1].url.rsplit("/", 1)[-1]])
     assert cache.counters.hits == hits + 1
+
+
+def _open_at_once(root: str, start: Any, out: Any) -> None:
+    start.wait()  # every process at the same moment, as the ranks of one host at start-up
+    try:
+        Cache(root, format="npy")
+        out.put("ok")
+    except CacheError as exc:
+        out.put(str(exc))
+
+
+def test_processes_making_one_new_cache_at_once_all_open_it(tmp_path: Path) -> None:
+    """Ranks on one host made their shared cache at once: a process that found no marker yet,
+    then listed the folder after another had made the marker and its subfolders, took the
+    folder for someone else's ("is not empty and is not a fastload cache"). The distributed
+    loader test failed on it in CI; here 6 processes at once failed in 5 of 60 rounds."""
+    context = multiprocessing.get_context("fork")
+    failures = []
+    for round_ in range(40):
+        start, out = context.Barrier(6), context.Queue()
+        root = str(tmp_path / f"c{round_}")
+        procs = [context.Process(target=_open_at_once, args=(root, start, out)) for _ in range(6)]
+        for proc in procs:
+            proc.start()
+        failures += [result for result in (out.get(timeout=60) for _ in procs) if result != "ok"]
+        for proc in procs:
+            proc.join(timeout=60)
+    assert failures == []

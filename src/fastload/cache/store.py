@@ -230,7 +230,8 @@ class Cache:
         try:
             private_dirs(self.root)
             if not marker.exists():
-                if not all(_being_made(name) for name in os.listdir(self.root)):
+                names = os.listdir(self.root)  # the marker comes before all but _being_made
+                if not marker.exists() and not all(_being_made(name) for name in names):
                     raise CacheError(
                         f"{self.root} is not empty and is not a fastload cache; "
                         "choose a new or empty directory"
