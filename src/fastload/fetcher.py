@@ -228,24 +228,25 @@ class Fetcher:
         (the object is failing: quarantine it), or after its third stall (each cost a whole
         ``timeout``), else when the outage outlasts its budget.
 
-        The store answers others if a request succeeded since this one's previous failure, or
-        since its first one while no other request failed (a broken object beside a healthy
-        store whose other reads are done). A store that never answered this Fetcher is not
-        waited for: a wrong endpoint or a store down at the start fails after ``retries``.
+        The store answers others if a request succeeded since this one was first sent while
+        no other request failed (a broken object beside a healthy store). Other requests
+        failing too is an outage, whatever succeeded meanwhile: at an outage's onset requests
+        sent before it still succeed, and counting them quarantined objects the outage failed.
+        A store that never answered this Fetcher is not waited for: a wrong endpoint or a
+        store down at the start fails after ``retries``.
         """
         config = self.config
-        started = previous = time.monotonic()
+        started = time.monotonic()
         mark = self._transient_failures
         stalls = 0
 
         def give_up(failures: int, error: BaseException) -> bool:
-            nonlocal previous, stalls
-            now, since = time.monotonic(), previous
-            previous = now
+            nonlocal stalls
+            now = time.monotonic()
             self._transient_failures += 1
             stalls += isinstance(error.__cause__, TimeoutError)
             others_failed = self._transient_failures - mark > failures
-            answering = self._last_ok > since or (self._last_ok > started and not others_failed)
+            answering = self._last_ok > started and not others_failed
             if failures <= config.retries and not (stalls >= _STALLS and answering):
                 self.counters.retries += 1
                 return False
