@@ -163,7 +163,7 @@ def _exchange(outcome: Any, tag: str) -> list[Any]:
     store.set(f"{key}/{rank}", pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
     keys = [f"{key}/{r}" for r in range(world)]
     store.wait(keys, _WAIT)
-    outcomes = [pickle.loads(store.get(k)) for k in keys]
+    outcomes = [outcome if r == rank else pickle.loads(store.get(k)) for r, k in enumerate(keys)]
     store.add(f"{key}/read", 1)
     if rank == 0:
         while store.add(f"{key}/read", 0) < world:
