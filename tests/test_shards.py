@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import fastload
 from fastload import (
@@ -382,6 +384,10 @@ def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) 
     assert int(row["event_id"]) == 1234 and row["name"] == "ev1234"
     assert np.array_equal(row["pulses"], np.full(3 + 1234 % 5, 1234, np.float32))
     assert dataset.source[1234].url.endswith("batch_2.parquet#row=234")
+    with warnings.catch_warnings():  # torch warns of a read-only array, then shares it
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(row["pulses"]).add_(1)  # a transform changing its input in place
+    assert np.array_equal(dataset[1234]["pulses"], np.full(3 + 1234 % 5, 1234, np.float32))
 
     before = dataset.fetcher.counters.requests
     sampler = PermutationSampler(len(dataset), blocks=dataset.blocks, window=2, seed=3)
@@ -575,6 +581,78 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
         RemoteDataset(root, shards="parquet", row_key="evt", storage_options=options)
     with pytest.raises(ConfigError, match="need shards='parquet'"):
         RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)
+
+
+def test_a_run_cut_between_two_files_is_an_error_not_two_half_samples(
+    seaweed: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pyarrow's ``write_dataset(max_rows_per_file=...)`` starts a new file every N rows, so it
+    cuts events in two: each half was a sample of its own, silently."""
+    import pyarrow.dataset as pads
+
+    table = pulses(0, 60)  # 3-6 pulses an event: files of 70 rows cut some events
+    pads.write_dataset(
+        table, tmp_path / "out", format="parquet", max_rows_per_file=70, max_rows_per_group=35
+    )
+    files = sorted((tmp_path / "out").iterdir())
+    root = f"s3://{BUCKET}/cut-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    write(root, options, {f"events/{f.name}": f.read_bytes() for f in files})
+    ids = table.column("event_id").to_numpy()
+    ends = np.cumsum([pq.read_metadata(f).num_rows for f in files])[:-1]
+    cut = sorted({int(ids[e]) for e in ends if ids[e - 1] == ids[e]})
+    assert cut, "the writer cut no event: the test proves nothing"
+    first_cut = f"event_id={cut[0]} ends {root}/events/{files[0].name} and starts"
+    with pytest.raises(ShardError, match=first_cut):
+        RemoteDataset(
+            f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
+        )
+
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        dataset = RemoteDataset(
+            f"{root}/events",
+            shards="parquet",
+            row_key="event_id",
+            on_error="skip",
+            storage_options=options,
+        )
+    assert first_cut in caplog.text
+    whole = [e for e in range(60) if e not in cut]
+    assert len(dataset) == len(whole)
+    loader = fastload.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=list)
+    got = {int(e["event_id"][0]): len(e["time"]) for batch in loader for e in batch}
+    assert sorted(got) == whole
+    assert all(got[e] == 3 + e % 4 for e in whole)  # every event whole
+    event = dataset[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(event["time"]).add_(1)
+    assert np.array_equal(dataset[0]["time"], table.column("time").to_numpy()[: len(event["time"])])
+
+    # a row group holding only a cut event's rows: left out, its chunk too
+    head = pa.table({"event_id": [1, 1, 2, 2], "t": [0.0, 1.0, 2.0, 3.0]})
+    tail = pa.table({"event_id": [2, 3, 3], "t": [4.0, 5.0, 6.0]})
+    write(
+        root,
+        options,
+        {"small/a.parquet": parquet(head), "small/b.parquet": parquet(tail, row_group_size=1)},
+    )
+    small = RemoteDataset(
+        f"{root}/small",
+        shards="parquet",
+        row_key="event_id",
+        on_error="skip",
+        storage_options=options,
+    )
+    assert [list(small[i]["t"]) for i in range(len(small))] == [[0.0, 1.0], [5.0, 6.0]]
+    assert len(list(fastload.DataLoader(small, batch_size=1, shuffle=True, collate_fn=list))) == 2
+
+    # event numbers that restart in each file are other events, not cut ones
+    write(root, options, {f"runs/run{r}.parquet": parquet(pulses(0, 5)) for r in range(3)})
+    runs = RemoteDataset(
+        f"{root}/runs", shards="parquet", row_key="event_id", storage_options=options
+    )
+    assert [int(runs[i]["event_id"][0]) for i in range(len(runs))] == [0, 1, 2, 3, 4] * 3
 
 
 def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(

@@ -80,8 +80,10 @@ class Shards:
         for entry, index in zip(found, self._indexes(found, fetcher, cache, stored), strict=True):
             if isinstance(index, BaseException):
                 self._bad(entry, str(index), index)
-                continue
-            indexes.append((entry, index))
+            else:
+                indexes.append((entry, index))
+        self._check_across(indexes)
+        for entry, index in indexes:
             self.shards.append(entry)
             self._add(len(self.shards) - 1, entry, index)
         if all((entry.key, entry.version) in stored for entry, _ in indexes):
@@ -109,6 +111,9 @@ class Shards:
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """What only all the shards' indexes together can show to be wrong (before ``_add``)."""
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         raise NotImplementedError

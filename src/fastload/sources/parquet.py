@@ -5,7 +5,8 @@ numpy arrays, strings as str; a null is None, NaN in a floating-point column, Na
 column); with ``decode=None`` the row is the sample. With ``row_key`` (e.g. ``"event_id"``,
 when an event's pulses are consecutive rows) each run of rows sharing a value of that column is
 one sample, ``{column: array of its rows}``; a file in which a value comes back later (not
-sorted by it) is an error naming the value, never two samples, and so is a null key.
+sorted by it) is an error naming the value, never two samples, and so are a null key and a run
+cut between two files (a value that ends one file and starts another).
 
 Indexing a file reads its footer (one suffix read, two for a large footer) and, with
 ``row_key``, that column's chunks only; the index is kept in the dataset's cache by the file's
@@ -17,6 +18,7 @@ process. Needs ``fastload[parquet]``.
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ from fastload.sources._chunks import Chunk
 from fastload.sources._shards import Shards
 
 __all__ = ["ParquetShards"]
+
+log = logging.getLogger(__name__)
 
 INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
 _MAGIC = b"PAR1"
@@ -68,6 +72,7 @@ class ParquetShards(Shards):
         self._rows_before: list[int] = []  # per chunk: rows of its shard before it
         self._runs: list[tuple[int, int]] = []  # with row_key, per sample: its rows in its chunk
         self._run_keys: list[str] = []
+        self._left_out: set[tuple[str, str]] = set()  # (file, row_key value) cut in two
         super().__init__(manifest, fetcher, **kwargs)
 
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
@@ -126,6 +131,32 @@ class ParquetShards(Shards):
         chosen = "" if self.columns is None else f"|columns {list(self.columns)}"
         return self.index_version + chosen
 
+    def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """A ``row_key`` run that ends one file and starts another is one sample cut in two (a
+        writer that starts a new file every N rows, as ``pyarrow.dataset.write_dataset(
+        max_rows_per_file=...)`` does, cuts events): an error naming both files, never two half
+        samples; with ``on_error="skip"`` both halves are left out, named. A value found
+        elsewhere in two files is two samples (event numbers that restart in each file)."""
+        if self.row_key is None:
+            return
+        ends = []  # (entry, first key, last key) of each file with rows
+        for entry, index in indexes:
+            keys = Strings(index["key_blob"], index["key_ends"])
+            if len(keys):
+                ends.append((entry, keys[0], keys[len(keys) - 1]))
+        starting: dict[str, list[Entry]] = {}
+        for entry, first, _ in ends:
+            starting.setdefault(first, []).append(entry)
+        for entry, _, last in ends:
+            for other in starting.get(last, []):
+                if other is not entry:
+                    self._bad(
+                        other,
+                        f"{self.row_key}={last} ends {entry.url} and starts this file: one "
+                        f"sample cut in two (write each {self.row_key}'s rows to one file)",
+                    )
+                    self._left_out.update({(entry.url, last), (other.url, last)})
+
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         footer = index["footer"].tobytes()
         try:
@@ -166,22 +197,32 @@ class ParquetShards(Shards):
         runs: np.ndarray | None,
         keys: list[str] | None,
     ) -> None:
-        """One chunk: the row groups ``groups`` (rows ``first`` to ``stop`` of the shard)."""
+        """One chunk: the row groups ``groups`` (rows ``first`` to ``stop`` of the shard),
+        unless every run in it is left out."""
+        kept: list[tuple[tuple[int, int], str]] = []
+        if runs is not None and keys is not None:
+            lo, hi = np.searchsorted(runs, [first, stop])
+            ends = np.append(runs[1:], stop)
+            kept = [
+                ((int(runs[r]) - first, int(ends[r]) - first), keys[r])
+                for r in range(int(lo), int(hi))
+                if (self.shards[shard].url, keys[r]) not in self._left_out
+            ]
+            if not kept:
+                return
         spans = _spans([meta.row_group(g) for g in groups], self.columns)
         label = f"row group {groups[0]}" + (f"-{groups[-1]}" if len(groups) > 1 else "")
         apart = tuple(spans) if len(spans) > 1 else ()
         self._chunk(shard, self._count, spans[0][0], spans[-1][1], label, spans=apart)
         self._groups.append(groups)
         self._rows_before.append(first)
-        if runs is None or keys is None:
+        if runs is None:
             self._count += stop - first
             return
-        lo, hi = np.searchsorted(runs, [first, stop])
-        ends = np.append(runs[1:], stop)
-        for r in range(int(lo), int(hi)):
-            self._runs.append((int(runs[r]) - first, int(ends[r]) - first))
-            self._run_keys.append(keys[r])
-        self._count += int(hi - lo)
+        for rows, key in kept:
+            self._runs.append(rows)
+            self._run_keys.append(key)
+        self._count += len(kept)
 
     def _metadata(self, footer: bytes) -> Any:
         """The file's metadata from its footer alone (behind a magic, as if the file were empty:
@@ -210,11 +251,18 @@ class ParquetShards(Shards):
         return int(loaded.nbytes)
 
     def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, Any]:
+        """The sample's values, its own arrays: views of the chunk (read-only, which
+        ``torch.from_numpy`` shares with a warning) would let a transform that changes its input
+        in place change what the next read of the chunk in memory gives."""
         if self.row_key is not None:
             a, b = self._runs[index]
-            return {name: values[a:b] for name, values in loaded.columns.items()}
+            return {name: values[a:b].copy() for name, values in loaded.columns.items()}
         row = index - self._firsts[chunk]
-        return {name: values[row] for name, values in loaded.columns.items()}
+        return {name: _own(values[row]) for name, values in loaded.columns.items()}
+
+
+def _own(value: Any) -> Any:
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarray) -> None:
