@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,61 @@ def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp
     assert dataset.fetcher.counters.requests == requests  # all hits
     with pytest.raises(ConfigError, match="needs a cache"):
         RemoteDataset(root, decode="npy", storage_options=options).prefetch([0])
+
+
+def test_a_read_takes_what_the_lookahead_made_instead_of_reading_it_back(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookahead's samples are held for the read of their batch (no copy and checksum
+    back out of the cache); a read of a batch the lookahead is making waits for it, not for
+    the cache's locks; what is held stays within HANDOFF_BYTES; a pickled dataset holds none."""
+    from fastload import dataset as module
+
+    root, options = s3_root
+    cache = Cache(tmp_path, format="npy")
+    entered, gate = threading.Event(), threading.Event()
+
+    @versioned(1)
+    def slow(array: np.ndarray) -> np.ndarray:
+        if value_of(array) >= 20:
+            entered.set()
+            gate.wait(30)
+        return array
+
+    dataset = RemoteDataset(
+        root, decode="npy", transform=slow, cache=cache, storage_options=options
+    )
+    dataset.prefetch(range(10, 20)).result(timeout=60)
+    assert cache.counters.misses == 10 and cache.counters.writes == 10
+    assert [value_of(s) for s in dataset.__getitems__(list(range(10, 20)))] == list(range(10, 20))
+    assert (cache.counters.hits, cache.counters.waits) == (0, 0)  # taken, not read back
+    assert [value_of(dataset[i]) for i in (10, 11)] == [10, 11]
+    assert cache.counters.hits == 2  # handed once: now read from the cache
+
+    making = dataset.prefetch(range(20, 24))
+    assert entered.wait(30)  # the lookahead is making them
+    read: list[Any] = []
+    reader = threading.Thread(target=lambda: read.extend(dataset.__getitems__([20, 21, 22, 23])))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # waiting for the lookahead
+    gate.set()
+    making.result(timeout=60)
+    reader.join(60)
+    assert [value_of(s) for s in read] == [20, 21, 22, 23]
+    assert cache.counters.misses == 14 and cache.counters.writes == 14  # made once each
+    assert (cache.counters.hits, cache.counters.waits) == (2, 0)
+
+    size = dataset[0].nbytes
+    monkeypatch.setattr(module, "HANDOFF_BYTES", 3 * size)
+    dataset.prefetch(range(30, 40)).result(timeout=60)
+    assert dataset._handoff._bytes <= 3 * size
+    assert [value_of(s) for s in dataset.__getitems__(list(range(30, 40)))] == list(range(30, 40))
+    assert cache.counters.hits == 2 + 7  # the 7 dropped were read back
+    plain = RemoteDataset(root, decode="npy", cache=Cache(tmp_path / "p"), storage_options=options)
+    plain.prefetch(range(3)).result(timeout=60)
+    assert plain._handoff._bytes > 0
+    assert pickle.loads(pickle.dumps(plain))._handoff._bytes == 0  # a worker's copy holds none
 
 
 def test_prefetch_probes_a_warm_cache_and_resumes_at_a_miss(

@@ -7,18 +7,23 @@ once) instead of one after another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
 import os
+import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from fastload.cache import Cache
@@ -58,6 +63,96 @@ PREFETCH_BATCHES = 4
 _prefetchers: PerProcess[str, ThreadPoolExecutor] = PerProcess("prefetch pools")
 _WARM_STREAK = 8  # batches prefetch found cached before it checks only one in _WARM_PROBE
 _WARM_PROBE = 8
+HANDOFF_BYTES = 64 * 2**20
+"""Bytes of samples the lookahead made that a process holds for the reads of their batches."""
+
+
+class _Handoff:
+    """Samples the lookahead made, held for the read of their batch, which takes them instead
+    of reading back from the cache what was just written there (a copy and a checksum a
+    sample). At most ``HANDOFF_BYTES`` of arrays and tensors, the oldest dropped first (a
+    batch the loop read before its lookahead finished leaves its samples to be dropped); one
+    per process, empty in a new one (a pickled or forked dataset's is not carried over)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._held: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._making: dict[str, threading.Event] = {}  # names the lookahead is making now
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Handoff, ())
+
+    @contextlib.contextmanager
+    def making(self, names: Sequence[str]) -> Iterator[None]:
+        """The lookahead at work on ``names`` (from before it looks in the cache): a read of
+        them meanwhile waits for it, where it would wait for the cache's entry locks."""
+        done = threading.Event()
+        with self._lock:
+            self._making.update(dict.fromkeys(names, done))
+        try:
+            yield
+        finally:
+            with self._lock:
+                for name in names:
+                    if self._making.get(name) is done:
+                        del self._making[name]
+            done.set()
+
+    def keep(self, names: Sequence[str], made: Sequence[Any]) -> None:
+        with self._lock:
+            for name, sample in zip(names, made, strict=True):
+                size = _nbytes(sample)
+                if size is None or size > HANDOFF_BYTES:
+                    continue
+                old = self._held.pop(name, None)
+                self._bytes += size - (0 if old is None else old[1])
+                self._held[name] = (sample, size)
+            while self._bytes > HANDOFF_BYTES:
+                _, (_, size) = self._held.popitem(last=False)
+                self._bytes -= size
+
+    def take(self, names: Sequence[str]) -> dict[int, Any]:
+        """The held samples among ``names``, by position, no longer held."""
+        if not self._held and not self._making:
+            return {}
+        with self._lock:
+            making = {self._making[name] for name in names if name in self._making}
+        for done in making:
+            done.wait()
+        out = {}
+        with self._lock:
+            for position, name in enumerate(names):
+                held = self._held.pop(name, None)
+                if held is not None:
+                    out[position] = held[0]
+                    self._bytes -= held[1]
+        return out
+
+
+def _nbytes(sample: Any) -> int | None:
+    """The bytes of a sample's arrays, tensors and scalars (in tuples, lists and dicts), or
+    None for a sample holding anything else (an image object, an object array...)."""
+    if isinstance(sample, np.ndarray):
+        return None if sample.dtype == object else int(sample.nbytes)
+    if isinstance(sample, torch.Tensor):
+        return int(sample.nbytes)
+    if sample is None or isinstance(sample, int | float | str | bytes | np.generic):
+        return sys.getsizeof(sample)
+    if isinstance(sample, dict):
+        parts: Sequence[Any] = list(sample.values())
+    elif isinstance(sample, tuple | list):
+        parts = sample
+    else:
+        return None
+    total = 0
+    for part in parts:
+        size = _nbytes(part)
+        if size is None:
+            return None
+        total += size
+    return total
 
 
 class _Batched(Dataset[Any]):
@@ -78,8 +173,36 @@ class _Batched(Dataset[Any]):
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
 
-    def _items(self, indices: list[int]) -> list[Any]:
+    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
+        """The samples at ``indices`` (a failure sits in its slot as an exception); ``ahead``:
+        made by the lookahead, to be held for the read of their batch (:class:`_Handoff`)."""
         raise NotImplementedError
+
+    def _get_many(
+        self, names: list[str], produce: Callable[[list[int]], list[Any]], ahead: bool = False
+    ) -> list[Any]:
+        """``cache.get_many(names, produce)``, with the samples the lookahead made and held
+        taken instead of read back; ``ahead``: hold what this makes."""
+        cache, handoff = self.cache, self._handoff_here()
+        assert cache is not None
+        if ahead:
+            made = cache.get_many(names, produce)
+            handoff.keep(names, made)
+            return made
+        held = handoff.take(names)
+        if not held:
+            return cache.get_many(names, produce)
+        rest = [p for p in range(len(names)) if p not in held]
+        got = cache.get_many([names[p] for p in rest], lambda at: produce([rest[q] for q in at]))
+        held.update(zip(rest, got, strict=True))
+        return [held[p] for p in range(len(names))]
+
+    def _handoff_here(self) -> _Handoff:
+        """This process's :class:`_Handoff` (a new one in a forked worker)."""
+        handoff: _Handoff | None = self.__dict__.get("_handoff")
+        if handoff is None or handoff.pid != os.getpid():
+            handoff = self.__dict__["_handoff"] = _Handoff()
+        return handoff
 
     def _cache_name(self, index: int) -> str:
         raise NotImplementedError
@@ -96,7 +219,8 @@ class _Batched(Dataset[Any]):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         lookahead = getattr(indices[0], "lookahead", None) if len(indices) else None
         if lookahead and self.cache is not None:  # a worker's batch from fastload.DataLoader
-            self.prefetch(lookahead)  # (its loader._Ahead): cache a batch further on
+            self._prefetch(lookahead, hold=False)  # (its loader._Ahead): cache a batch further
+            # on, which another worker may read: nothing held
         positions = [self._index(i) for i in indices]
         items = self._items(positions)
         if any(isinstance(item, BaseException) for item in items):
@@ -194,8 +318,13 @@ class _Batched(Dataset[Any]):
         ``_WARM_PROBE`` is checked until one misses again: a batch left unchecked that
         misses is made when it is read.
 
-        A loader that knows the sampler's order calls this for the batches ahead.
+        A loader that knows the sampler's order calls this for the batches ahead. What it
+        makes is held in memory (up to ``HANDOFF_BYTES``) for the read of the batch, which
+        then need not read it back from the cache.
         """
+        return self._prefetch(indices, hold=True)
+
+    def _prefetch(self, indices: Sequence[int], hold: bool) -> Future[None]:
         if self.cache is None:
             raise ConfigError(f"{type(self).__name__}.prefetch needs a cache to keep its work")
         cache = self.cache
@@ -211,11 +340,13 @@ class _Batched(Dataset[Any]):
         positions = [self._index(i) for i in indices]
 
         def run() -> None:
-            there = cache.contains_many([self._cache_name(i) for i in positions])
-            missing = [i for i, hit in zip(positions, there, strict=True) if not hit]
-            if missing:
-                self._warm_batches = 0
-                self._items(missing)
+            names = [self._cache_name(i) for i in positions]
+            with self._handoff_here().making(names) if hold else contextlib.nullcontext():
+                there = cache.contains_many(names)
+                missing = [i for i, hit in zip(positions, there, strict=True) if not hit]
+                if missing:
+                    self._warm_batches = 0
+                    self._items(missing, ahead=hold)
 
         return executor.submit(run)
 
@@ -416,19 +547,20 @@ class RemoteDataset(_Batched):
     def __repr__(self) -> str:
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
-    def _items(self, indices: list[int]) -> list[Any]:
-        cache = self.cache
-        if cache is not None and self.on_change != "refresh":
-            return self._cached(indices, cache)
+    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
+        if self.cache is not None and self.on_change != "refresh":
+            return self._cached(indices, ahead)
         return self._samples([self._sample(i) for i in indices])
 
-    def _cached(self, indices: list[int], cache: Cache) -> list[Any]:
+    def _cached(self, indices: list[int], ahead: bool) -> list[Any]:
         """:meth:`_samples` through the cache, with no :class:`Sample` made for a sample the
         cache holds (they cost a warm batch about a tenth of its CPU)."""
         found = self.source.identities(indices)
         names = [Cache.name(url, version, self.fingerprint) for url, version, _ in found]
-        made = cache.get_many(
-            names, lambda positions: self._produce([self._sample(indices[p]) for p in positions])
+        made = self._get_many(
+            names,
+            lambda positions: self._produce([self._sample(indices[p]) for p in positions]),
+            ahead,
         )
         return self._with_labels(made, [label for _, _, label in found])
 
@@ -716,9 +848,9 @@ class CachedDataset(_Batched):
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, {self.cache!r})"
 
-    def _items(self, indices: list[int]) -> list[Any]:
+    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
         names = [self._cache_name(i) for i in indices]
-        return self.cache.get_many(names, lambda pos: self._compute([indices[p] for p in pos]))
+        return self._get_many(names, lambda pos: self._compute([indices[p] for p in pos]), ahead)
 
     def _cache_name(self, index: int) -> str:
         return Cache.name(self._display(index), "", self.fingerprint)
