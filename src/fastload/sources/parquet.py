@@ -18,7 +18,6 @@ process. Needs ``fastload[parquet]``.
 from __future__ import annotations
 
 import io
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +32,6 @@ from fastload.sources._chunks import Chunk
 from fastload.sources._shards import Shards
 
 __all__ = ["ParquetShards"]
-
-log = logging.getLogger(__name__)
 
 INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
 _MAGIC = b"PAR1"
