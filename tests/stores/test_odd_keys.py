@@ -1,7 +1,8 @@
 """Folder markers and keys the fast path cannot parse, on real S3 servers (and B2's marker).
 
 Web consoles make "folders" with a zero-byte ``sub/`` object (B2's writes ``sub/.bzEmpty``);
-those are not samples. Keys such as ``a//b``, ``./c`` or a control character are legal on S3
+those are not samples. Keys such as ``a//b``, ``./c``, a control character, URL characters
+(``#``, ``?``, ``+``) or non-ASCII ones are legal on S3
 (moto keeps them; SeaweedFS refuses or rewrites some on upload): they must be listed and read
 byte for byte, never lose the rest of the prefix.
 """
@@ -20,7 +21,22 @@ from fastload.stores.s3 import S3Pages
 from fastload.testing import B2Server, S3Server
 from tests.conftest import BUCKET
 
-ODD = ["a//b", "./c", "../d", "ctl\x01x", "x/./y", "/lead", "sp ace", "%41", "tab\tkey"]
+ODD = [
+    "a//b",
+    "./c",
+    "../d",
+    "ctl\x01x",
+    "x/./y",
+    "/lead",
+    "sp ace",
+    "%41",
+    "tab\tkey",
+    "h#1",
+    "q?x=1",
+    "a+b",
+    "ü é",
+    "br[1]*",
+]
 PLAIN = [f"img_{i:03d}.npy" for i in range(30)]
 
 
