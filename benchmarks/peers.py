@@ -334,8 +334,9 @@ def _epochs(spec: Spec) -> dict[str, Any]:
         assert count == spec.n, f"{spec.reader}: epoch {epoch} gave {count} of {spec.n} samples"
         ended = time.perf_counter()
         rates.append(spec.n / (ended - started))
-        if epoch == 0:
-            after_first = (spec.n - first_size) / max(ended - started - first, 1e-9)
+        if epoch == 0:  # nothing after a first batch that was the whole epoch
+            after = spec.n - first_size
+            after_first = after / (ended - started - first) if after else float("nan")
         started = time.perf_counter()
     return {"epochs": rates, "first": first, "after first": after_first}
 
