@@ -327,10 +327,10 @@ def _epochs(spec: Spec) -> dict[str, Any]:
     for epoch in range(spec.epochs):
         count = 0
         for batch in loader:
+            size = len(batch[0] if isinstance(batch, list | tuple) else batch)
             if not first:
-                first = time.perf_counter() - started
-                first_size = len(batch[0] if isinstance(batch, list | tuple) else batch)
-            count += len(batch[0] if isinstance(batch, list | tuple) else batch)
+                first, first_size = time.perf_counter() - started, size
+            count += size
         assert count == spec.n, f"{spec.reader}: epoch {epoch} gave {count} of {spec.n} samples"
         ended = time.perf_counter()
         rates.append(spec.n / (ended - started))

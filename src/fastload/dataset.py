@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from fastload.cache import Cache
@@ -132,27 +131,13 @@ class _Handoff:
 
 
 def _nbytes(sample: Any) -> int | None:
-    """The bytes of a sample's arrays, tensors and scalars (in tuples, lists and dicts), or
-    None for a sample holding anything else (an image object, an object array...)."""
-    if isinstance(sample, np.ndarray):
-        return None if sample.dtype == object else int(sample.nbytes)
-    if isinstance(sample, torch.Tensor):
-        return int(sample.nbytes)
-    if sample is None or isinstance(sample, int | float | str | bytes | np.generic):
-        return sys.getsizeof(sample)
-    if isinstance(sample, dict):
-        parts: Sequence[Any] = list(sample.values())
-    elif isinstance(sample, tuple | list):
-        parts = sample
-    else:
+    """The bytes of a sample's arrays, tensors and values, or None for a sample the cache
+    could not hold either (an image object...)."""
+    try:
+        _, values, leaves = flatten(sample)
+    except UnsupportedSampleError:
         return None
-    total = 0
-    for part in parts:
-        size = _nbytes(part)
-        if size is None:
-            return None
-        total += size
-    return total
+    return sum(leaf.nbytes for leaf in leaves) + sum(sys.getsizeof(v) for v in values)
 
 
 class _Batched(Dataset[Any]):
