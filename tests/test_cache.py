@@ -27,7 +27,7 @@ from torch.utils.data import default_collate
 
 from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
 from fastload._collate import collate
-from fastload.cache import _packed, formats
+from fastload.cache import _packed, formats, store
 from fastload.cache._locks import RangeLock, range_held
 
 FORMATS = ["pt", "npy", "zarr"]
@@ -456,16 +456,16 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(
     the next write goes to a new segment (the torn bytes stay out of every entry)."""
     cache = Cache(tmp_path / "c", format="npy")
     cache.put("s3://b/small", np.arange(10))
-    real = os.writev
+    real = os.pwritev
 
-    def full(fd: int, buffers: Any) -> int:
-        real(fd, [memoryview(buffers[0])[:100]])  # part of the entry reaches the disk
+    def full(fd: int, buffers: Any, offset: int) -> int:
+        real(fd, [memoryview(buffers[0])[:100]], offset)  # part of the entry reaches the disk
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(_packed.os, "writev", full)
+    monkeypatch.setattr(_packed.os, "pwritev", full)
     with pytest.raises(CacheError, match=r"cache entry for s3://b/big.*ENOSPC"):
         cache.put("s3://b/big", np.zeros(10_000))
-    monkeypatch.setattr(_packed.os, "writev", real)
+    monkeypatch.setattr(_packed.os, "pwritev", real)
     assert "s3://b/big" not in cache and len(cache) == 1
     cache.put("s3://b/big", np.zeros(10_000))  # space again: works
     assert np.array_equal(cache.get("s3://b/big"), np.zeros(10_000))
@@ -846,8 +846,70 @@ def test_entries_of_one_length_but_another_layout_are_read_right(tmp_path: Path)
     assert cache.counters.misses == 40 and cache.counters.repairs == 0
 
 
+def test_threads_write_at_once_and_no_record_comes_before_earlier_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads write into one segment at once (the lock is not held while bytes are
+    written), and the second entry, which uses the structure record the first one writes, is
+    recorded (and its ``put`` returns) only once the first one's bytes are in the file."""
+    cache = Cache(tmp_path, format="npy")
+    real, started, release, second_wrote = os.pwritev, *(threading.Event() for _ in range(3))
+
+    def slow_first(fd: int, buffers: Any, offset: int) -> int:
+        if not started.is_set():
+            started.set()
+            assert release.wait(10)
+            return real(fd, buffers, offset)
+        written = real(fd, buffers, offset)
+        second_wrote.set()
+        return written
+
+    monkeypatch.setattr(_packed.os, "pwritev", slow_first)
+    first = threading.Thread(target=cache.put, args=("a", np.full(1000, 1.0)))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=cache.put, args=("b", np.full(1000, 2.0)))
+    second.start()
+    assert second_wrote.wait(10)  # written while the first write is still under way
+    other = Cache(tmp_path, format="npy")  # what another process sees meanwhile
+    assert other.contains_many(["a", "b"]) == [False, False] and second.is_alive()
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert not second.is_alive()
+    assert np.array_equal(other.get("a"), np.full(1000, 1.0))
+    assert np.array_equal(other.get("b"), np.full(1000, 2.0))
+    assert len(list((tmp_path / "segments").iterdir())) == 1 and cache.verify().corrupt == []
+
+
+def test_many_threads_fill_segments_and_every_entry_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store, "SEGMENT_BYTES", 64 << 10)  # many segments, writers retired
+    cache = Cache(tmp_path, format="npy")
+
+    def sample(i: int) -> dict[str, Any]:
+        return {"x": np.full(100 + 300 * (i % 5), i, np.int32), "i": i}
+
+    def fill(t: int) -> None:
+        for i in range(t, 400, 8):
+            cache.put(f"s3://b/k{i}", sample(i))
+
+    threads = [threading.Thread(target=fill, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    other = Cache(tmp_path, format="npy")
+    for i in range(400):
+        got = other.get(f"s3://b/k{i}")
+        assert got["i"] == i and np.array_equal(got["x"], sample(i)["x"]), i
+    assert len(list((tmp_path / "segments").iterdir())) > 10
+    assert other.verify().corrupt == [] and len(other) == 400
+
+
 def test_a_sample_of_many_leaves_is_written_whole(tmp_path: Path) -> None:
-    """Over 1,024 pieces: more than one writev takes."""
+    """Over 1,024 pieces: more than one pwritev takes."""
     cache = Cache(tmp_path, format="npy")
     sample = {f"leaf{i}": np.full(3, i, np.int16) for i in range(700)}
     cache.put("many", sample)
@@ -1215,8 +1277,8 @@ def test_a_full_disk_serves_samples_uncached_and_stores_again_once_there_is_room
         report = warm_cache(dataset, range(len(dataset)), batch_size=10, threads=2)
         assert not report.failures and 0 < report.unstored < len(dataset)
         assert cache.full
-        with pytest.raises(CacheFullError, match="ENOSPC"):
-            cache.put("one more", expected["x 000.npy"])
+        with pytest.raises(CacheFullError, match="ENOSPC"):  # past any room a failed write left
+            cache.put("one more", np.ones(1 << 20, np.uint16))
         loader = DataLoader(dataset, batch_size=16, shuffle=False, collate_fn=list)
         misses = cache.counters.misses
         served = [sample for batch in loader for sample in batch]

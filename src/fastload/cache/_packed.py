@@ -7,15 +7,18 @@ a small entry filled a 4 KB block. So ``pt`` and ``npy`` entries go into segment
     segments/<id><suffix>     entries one after another, self-checking, and before the first
                               entry of each structure its structure record (see
                               cache/formats.py); one writing process per segment (its id is
-                              random), which holds a shared lock on it while it may append
+                              random), which holds a shared lock on it while it may append;
+                              its threads take space at the end under a lock and write
+                              into it at once
     index/<ab><suffix>        fixed 48-byte records, one per write or removal of an entry whose
                               digest starts with ``ab``: digest, segment, offset, length, CRC32C
 
-An entry's bytes are written before its record, and a record is one ``O_APPEND`` write, so a
-reader never finds a record of bytes not yet written; a torn record fails its CRC and is
-skipped (its entry is computed again). A removal is a record of length 0. The last record of a
-digest wins. Eviction removes whole segments (the least recently used first, by mtime), never
-one a live writer holds; records of a removed segment read as misses.
+An entry's bytes are written before its record, a segment's records are appended in the order
+its space was taken (each once all bytes before it are written), and a record is one
+``O_APPEND`` write, so a reader never finds a record of bytes not yet written; a torn record
+fails its CRC and is skipped (its entry is computed again). A removal is a record of length 0.
+The last record of a digest wins. Eviction removes whole segments (the least recently used
+first, by mtime), never one a live writer holds; records of a removed segment read as misses.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import re
 import secrets
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +49,7 @@ SEGMENT_BYTES = 256 * 2**20
 """A writer starts a new segment past this size (eviction frees space a segment at a time)."""
 _RECORD = struct.Struct("<20sQQQI")  # digest, segment id, offset, length, CRC32C of the rest
 _OPEN_SEGMENTS = 64  # read descriptors kept open per process
-_IOV_MAX = 1024  # buffers one writev takes (Linux)
+_IOV_MAX = 1024  # buffers one pwritev takes (Linux)
 _STRUCTURES = 4096  # parsed structure records kept per process, by segment and offset
 _FAR = 1 << 32  # an entry's structure record is less than this before it
 _ALIGN, _ALIGN_FROM = 64, 4096  # entries of 4 KiB or more start 64-byte aligned in the file
@@ -82,15 +85,15 @@ class Packed:
         self._structures: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
         self._writer: _Writer | None = None
         self._appending: dict[str, int] = {}  # index shards open for appending, by shard
-        self._mutex = threading.Lock()
+        self._mutex = threading.Condition()  # notified when records are appended
         self._pid = os.getpid()
 
-    def _guard(self) -> threading.Lock:
+    def _guard(self) -> threading.Condition:
         """This object's lock; a forked child gets a new one (another thread of the parent
         may have held it at the fork, and no thread of the child would ever release it), and
         opens the index for appending again (the parent's appends are not its own)."""
         if self._pid != os.getpid():
-            self._mutex, self._pid = threading.Lock(), os.getpid()
+            self._mutex, self._pid = threading.Condition(), os.getpid()
             self._appending = {}
         return self._mutex
 
@@ -103,7 +106,7 @@ class Packed:
         """Close this process's segment and the index shards it appended to (the caller holds
         the lock); a forked child leaves its parent's segment to the parent."""
         if self._writer is not None and self._writer.pid == os.getpid():
-            self._writer.close()
+            self._writer.retire()
         self._writer = None
         self._close_index()
 
@@ -328,39 +331,55 @@ class Packed:
 
     def append(self, entries: Sequence[tuple[str, Encoded]], limit: int) -> int:
         """Write entries, each after its structure record unless its segment has that one,
-        with one ``writev`` per segment, then their index records; the bytes written. A new
-        segment starts when this one would pass ``limit`` bytes (or was removed: ``clear``)."""
+        then their index records; the bytes written. Their space at the end of this process's
+        segment is taken under the lock and written outside it (one ``pwritev`` per segment),
+        so that threads fill the page cache at once; a segment's records are appended in the
+        order its space was taken, each once every write before it is done, so no record
+        names bytes (or a structure record) not yet written. Returns once the entries are
+        recorded (or dropped, after a failed write), as a reader that waited on their entry
+        locks expects. A new segment starts when this one would pass ``limit`` bytes (or was
+        removed: ``clear``)."""
+        taken: list[_Pending] = []
         with self._guard():
-            written, pending = 0, _Pending()
+            pending: _Pending | None = None
             for digest, entry in entries:
                 room = len(entry.structure) + _ALIGN + entry.length
-                writer = self._writer
-                if writer is None or not writer.fits(pending.length + room, limit, pending.length):
-                    written += self._flush(pending)
-                    pending = _Pending()
-                    writer = self._new_writer()
-                pending.place(writer, digest, entry)
-            return written + self._flush(pending)
+                if pending is None or not pending.writer.fits(
+                    pending.length + room, limit, pending.length
+                ):
+                    if pending is not None:
+                        taken.append(pending.writer.take(pending))
+                    writer = self._writer
+                    if writer is None or not writer.fits(room, limit):
+                        writer = self._new_writer()
+                    pending = _Pending(writer)
+                pending.place(digest, entry)
+            if pending is not None:
+                taken.append(pending.writer.take(pending))
+        try:
+            for part in taken:
+                part.writer.write(part)
+        finally:
+            guard = self._guard()
+            with guard:
+                ready: list[tuple[str, Where]] = []
+                for part in taken:
+                    ready += part.writer.done(part)
+                    if part.writer.broken and part.writer is self._writer:
+                        self._finish_writer()  # part of it may be in the file: no more there
+                try:
+                    self._record_all(ready)
+                finally:
+                    guard.notify_all()
+                while not all(part.settled for part in taken):
+                    guard.wait()  # for another thread's earlier write in the same segment
+        return sum(part.length for part in taken)
 
     def _new_writer(self) -> _Writer:
         """Finish this process's segment and start one (the caller holds the lock)."""
         self._finish_writer()
         self._writer = _Writer(self.segments, self.suffix)
         return self._writer
-
-    def _flush(self, pending: _Pending) -> int:
-        """Write what ``pending`` placed, then its index records (the caller holds the lock)."""
-        writer = self._writer
-        if not pending.length or writer is None:
-            return 0
-        try:
-            writer.write(pending.pieces, pending.length)
-        except BaseException:  # part of it may be in the file: no more appends there
-            writer.close()
-            self._writer = None
-            raise
-        self._record_all(pending.places)
-        return pending.length
 
     def remove(self, digest: str) -> None:
         """Record that ``digest`` has no entry (its bytes stay until their segment goes)."""
@@ -447,17 +466,20 @@ class Packed:
 
 
 class _Writer:
-    """This process's open segment: appended under a shared lock held until it is closed."""
+    """This process's open segment, under a shared lock held until it is closed. Its methods
+    but :meth:`write` are called under the owning ``Packed``'s lock."""
 
     def __init__(self, folder: Path, suffix: str) -> None:
         self.pid = os.getpid()
         self.segment = int.from_bytes(secrets.token_bytes(8), "little") or 1
         path = folder / f"{self.segment:016x}{suffix}"
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        self.fd = os.open(path, flags, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         lock_whole(self.fd, shared=True)
-        self.size = 0
+        self.size = 0  # bytes taken, written or not
         self.structures: dict[bytes, int] = {}  # structure record -> its offset here
+        self.queue: deque[_Pending] = deque()  # taken and not yet recorded, in order
+        self.broken = False  # a write failed: nothing more is recorded or taken here
+        self._retired = False
 
     def fits(self, length: int, limit: int, planned: int = 0) -> bool:
         """Whether this process may append ``length`` more bytes to this segment (it is ours,
@@ -465,36 +487,77 @@ class _Writer:
         found to fit."""
         if planned:
             return self.size + length <= limit
-        if self.pid != os.getpid():
+        if self.pid != os.getpid() or self.broken:
             return False
         if self.size and self.size + length > limit:
             return False
         return os.fstat(self.fd).st_nlink > 0
 
-    def write(self, pieces: Sequence[bytes | memoryview], length: int) -> None:
-        written, views = 0, pieces
-        while True:
-            written += os.writev(self.fd, views[:_IOV_MAX])
-            if written >= length:
-                break
-            views = _after([memoryview(p).cast("B") for p in pieces], written)  # a short write
-        self.size += length
+    def take(self, pending: _Pending) -> _Pending:
+        """Take the space ``pending`` placed its entries in."""
+        self.size += pending.length
+        self.queue.append(pending)
+        return pending
+
+    def write(self, pending: _Pending) -> None:
+        """Write ``pending``'s bytes into its space (without the lock)."""
+        written = 0
+        views: Sequence[bytes | memoryview] = pending.pieces
+        try:
+            while True:
+                written += os.pwritev(self.fd, views[:_IOV_MAX], pending.start + written)
+                if written >= pending.length:
+                    break
+                views = _after([memoryview(p).cast("B") for p in pending.pieces], written)
+        except BaseException:
+            pending.failed = True
+            raise
+        pending.written = True
+
+    def done(self, pending: _Pending) -> list[tuple[str, Where]]:
+        """After :meth:`write` (or its failure): the places to record now, those of the taken
+        space written without a gap before it."""
+        if not pending.written:
+            pending.failed = True
+        ready: list[tuple[str, Where]] = []
+        while self.queue and (self.queue[0].written or self.queue[0].failed):
+            first = self.queue.popleft()
+            self.broken = self.broken or first.failed
+            if not self.broken:
+                ready += first.places
+            first.settled = True
+        if self._retired and not self.queue:
+            self.close()
+        return ready
+
+    def retire(self) -> None:
+        """Close once the writes in progress are done."""
+        self._retired = True
+        if not self.queue:
+            self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:  # once: the number may name another file afterwards
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 class _Pending:
     """Entries placed at the end of a segment and not yet written: their bytes and places."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: _Writer) -> None:
+        self.writer = writer
+        self.start = writer.size
         self.pieces: list[bytes | memoryview] = []
         self.places: list[tuple[str, Where]] = []
         self.length = 0
+        self.written = self.failed = False
+        self.settled = False  # recorded, or dropped after a failed write
 
-    def place(self, writer: _Writer, digest: str, entry: Encoded) -> None:
-        end = writer.size + self.length
+    def place(self, digest: str, entry: Encoded) -> None:
+        writer = self.writer
+        end = self.start + self.length
         at = writer.structures.get(entry.structure)
         if at is None or end - at >= _FAR:  # the writer is dropped if the write fails
             at = writer.structures[entry.structure] = end
@@ -507,7 +570,7 @@ class _Pending:
         self.pieces += entry.body
         self.pieces.append(entry.tail(end - at))
         self.places.append((digest, Where(writer.segment, end, entry.length)))
-        self.length = end + entry.length - writer.size
+        self.length = end + entry.length - self.start
 
 
 def _after(views: list[memoryview], count: int) -> list[memoryview]:
