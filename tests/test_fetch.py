@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from fastload import fetcher as fetcher_module
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.fetcher import Fetcher, Request, fetch
 from fastload.stores import filesystem
+from fastload.stores._base import Body
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
 
@@ -179,9 +184,46 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
         alone.fetch([bad])  # the store never answered: no outage to wait out
     assert alone.counters.outage_retries == 0 and alone.counters.retries == 2
     alone.fetch(good)
-    with pytest.raises(TransientStoreError, match=r"truncated body"):
-        alone.fetch([bad])  # nothing else answers meanwhile: waited for, 0.5 s, as an outage
-    assert alone.counters.outage_retries > 0 and alone.counters.quarantined == 0
+    with pytest.raises(TransientStoreError, match=r"quarantined.*truncated body"):
+        alone.fetch([bad])  # nothing else is read meanwhile: the store is asked, and answers
+    assert alone.counters.outage_retries == 0 and alone.counters.quarantined == 1
+
+
+class _OutageAtOnset:
+    """A store (a unit detail of the fetcher's patience, hence no server): ``slow`` is sent
+    with the others, answered after they succeeded, and meets an outage that fails every
+    read for ``outage`` seconds."""
+
+    def __init__(self, outage: float) -> None:
+        self.outage, self.until, self.answered = outage, 0.0, 0
+
+    async def read(self, url: Any, span: Any, version: Any, patience: Any) -> Body:
+        if str(url).endswith("slow") and not self.until:
+            while self.answered < 4:
+                await asyncio.sleep(0.005)
+            self.until = time.monotonic() + self.outage
+        await asyncio.sleep(0.01)  # every request is sent before any is answered
+        if time.monotonic() < self.until:
+            raise TransientStoreError("503 Service Unavailable (outage)", url=str(url))
+        self.answered += 1
+        return Body(b"abcde")
+
+
+def test_a_straggler_an_outage_meets_at_its_onset_is_waited_for_not_quarantined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R8's outage test failed once (2026-11-25): the last request of a batch, sent before the
+    outage, failed; the others, sent with it, had succeeded after it was sent, and nothing
+    else was read meanwhile, so the store looked healthy and the object broken: quarantined,
+    and the epoch failed. Now only a request sent after the failure counts, and one is sent
+    to ask."""
+    store = _OutageAtOnset(outage=0.5)
+    monkeypatch.setattr(fetcher_module, "open_store", lambda *args, **kwargs: store)
+    config = FetchConfig(retries=2, backoff=0.01, max_backoff=0.05, quarantine=60.0)
+    fetcher = Fetcher(config=config)
+    urls = [f"s3://b/ok{i}" for i in range(4)] + ["s3://b/slow"]
+    assert fetcher.fetch(urls) == [b"abcde"] * 5
+    assert fetcher.counters.quarantined == 0 and fetcher.counters.outage_retries > 0
 
 
 def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_three_stalls(
@@ -203,7 +245,8 @@ def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_three_st
     assert out[:4] == [b"12345"] * 4
     assert isinstance(out[4], TransientStoreError) and "quarantined" in str(out[4])
     assert "nothing received for 0.3 s" in str(out[4])
-    assert fetcher.counters.requests == 4 + 3 and fetcher.counters.quarantined == 1
+    # 3 stalls, and one byte of another object read to ask whether the store answers
+    assert fetcher.counters.requests == 4 + 3 + 1 and fetcher.counters.quarantined == 1
 
 
 def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path) -> None:

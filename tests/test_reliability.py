@@ -83,12 +83,16 @@ def test_r8_a_30_s_outage_mid_epoch_delivers_every_sample(
         seen: Counter[str] = Counter()
         end = threading.Timer(OUTAGE_S, lambda: proxy.set_faults(Faults()))
         with caplog.at_level(logging.WARNING, logger="fastload.fetcher"):
-            for i, batch in enumerate(loader):
-                seen.update(digest(body) for body in batch)
-                if i == 1:  # the lookahead has requests in flight: they meet the outage too
-                    proxy.set_faults(Faults(error_503=0.5, reset=0.5, seed=1))
-                    started = time.monotonic()
-                    end.start()
+            try:
+                for i, batch in enumerate(loader):
+                    seen.update(digest(body) for body in batch)
+                    if i == 1:  # the lookahead has requests in flight: they meet the outage
+                        proxy.set_faults(Faults(error_503=0.5, reset=0.5, seed=1))
+                        started = time.monotonic()
+                        end.start()
+            except BaseException:
+                end.cancel()  # else it calls a closed proxy during the next test
+                raise
             waited = time.monotonic() - started
             end.join()
             faults = proxy.counters()

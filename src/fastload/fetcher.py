@@ -118,10 +118,15 @@ class Fetcher:
         self.storage_options = dict(storage_options or {})
         self.config = config or FetchConfig.from_env()
         self.counters = FetchStats()
-        self._last_ok = 0.0  # when an attempt last succeeded (time.monotonic)
+        self._last_ok = 0.0  # when the latest attempt that succeeded was sent (time.monotonic)
+        self._last_ok_target: _Target | None = None  # an object that attempt read bytes of
+        self._probe: asyncio.Future[None] | None = None  # see _ask_the_store
         self._transient_failures = 0  # of every request so far
         self._outage_logged = 0.0
         self._quarantined: dict[str, float] = {}  # url -> when it may be tried again
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_probe": None, "_last_ok_target": None}  # this process's
 
     def stats(self) -> dict[str, float | int]:
         """A snapshot of :attr:`counters`, with latency percentiles."""
@@ -228,25 +233,31 @@ class Fetcher:
         (the object is failing: quarantine it), or after its third stall (each cost a whole
         ``timeout``), else when the outage outlasts its budget.
 
-        The store answers others if a request succeeded since this one was first sent while
-        no other request failed (a broken object beside a healthy store). Other requests
-        failing too is an outage, whatever succeeded meanwhile: at an outage's onset requests
-        sent before it still succeed, and counting them quarantined objects the outage failed.
-        A store that never answered this Fetcher is not waited for: a wrong endpoint or a
-        store down at the start fails after ``retries``.
+        The store answers others if a request sent after this one first failed succeeded
+        while no other request failed (a broken object beside a healthy store). Other requests
+        failing too is an outage, whatever succeeded meanwhile; so are successes of requests
+        sent before the failure (at an outage's onset those still succeed, and counting them
+        quarantined a lone straggler the outage failed). When nothing else is read meanwhile,
+        the store is asked (:meth:`_ask_the_store`). A store that never answered this Fetcher
+        is not waited for: a wrong endpoint or a store down at the start fails after
+        ``retries``.
         """
         config = self.config
         started = time.monotonic()
         mark = self._transient_failures
         stalls = 0
+        failed_at = 0.0
 
         def give_up(failures: int, error: BaseException) -> bool:
-            nonlocal stalls
+            nonlocal stalls, failed_at
             now = time.monotonic()
+            failed_at = failed_at or now
             self._transient_failures += 1
             stalls += isinstance(error.__cause__, TimeoutError)
             others_failed = self._transient_failures - mark > failures
-            answering = self._last_ok > started and not others_failed
+            answering = self._last_ok > failed_at and not others_failed
+            if not answering and not others_failed:
+                self._ask_the_store()
             if failures <= config.retries and not (stalls >= _STALLS and answering):
                 self.counters.retries += 1
                 return False
@@ -270,6 +281,25 @@ class Fetcher:
             return False
 
         return give_up
+
+    def _ask_the_store(self) -> None:
+        """Read one byte of an object the store served before (one such read at a time), for
+        the patience of a failing object when nothing else is read: its success is a request
+        answered after the failure; its failure counts as another request failing."""
+        last = self._last_ok_target
+        if self._probe is not None or last is None:
+            return
+        request = Request(str(last.url), 0, 1)
+        target = _Target(last.store, last.url, request.span)
+        self._probe = asyncio.ensure_future(self._probe_once(request, target))
+
+    async def _probe_once(self, request: Request, target: _Target) -> None:
+        try:
+            await self._attempt(request, target)
+        except Exception:  # any failure: no answer
+            self._transient_failures += 1
+        finally:
+            self._probe = None
 
     async def _hedged(
         self, call: Callable[[], Awaitable[bytes | memoryview]]
@@ -302,7 +332,7 @@ class Fetcher:
         if target.span.empty:
             return b""  # stores disagree on empty ranges; the answer is known
         self.counters.requests += 1
-        started = time.perf_counter()
+        sent, started = time.monotonic(), time.perf_counter()
         url = request.url
         patience = Patience(self.config.timeout, request.expected_length())
         try:
@@ -322,7 +352,9 @@ class Fetcher:
                 f"truncated body ({len(body.data)} of {expected} bytes)", url=url
             )
         self.counters.latency.add(time.perf_counter() - started)
-        self._last_ok = time.monotonic()
+        self._last_ok = max(self._last_ok, sent)
+        if len(body.data):
+            self._last_ok_target = target
         return body.data
 
 
