@@ -285,19 +285,23 @@ class Fetcher:
     def _ask_the_store(self) -> None:
         """Read one byte of an object the store served before (one such read at a time), for
         the patience of a failing object when nothing else is read: its success is a request
-        answered after the failure; its failure counts as another request failing."""
+        answered after the failure; its failure counts as another request failing. Counted in
+        ``requests``, not in ``latency`` (which is per object read)."""
         last = self._last_ok_target
         if self._probe is not None or last is None:
             return
-        request = Request(str(last.url), 0, 1)
-        target = _Target(last.store, last.url, request.span)
-        self._probe = asyncio.ensure_future(self._probe_once(request, target))
+        target = _Target(last.store, last.url, Request(str(last.url), 0, 1).span)
+        self._probe = asyncio.ensure_future(self._probe_once(target))
 
-    async def _probe_once(self, request: Request, target: _Target) -> None:
+    async def _probe_once(self, target: _Target) -> None:
+        sent = time.monotonic()
+        self.counters.requests += 1
         try:
-            await self._attempt(request, target)
+            await target.store.read(target.url, target.span, None, Patience(self.config.timeout, 1))
         except Exception:  # any failure: no answer
             self._transient_failures += 1
+        else:
+            self._last_ok = max(self._last_ok, sent)
         finally:
             self._probe = None
 
