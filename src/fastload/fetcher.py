@@ -290,7 +290,7 @@ class Fetcher:
         last = self._last_ok_target
         if self._probe is not None or last is None:
             return
-        target = _Target(last.store, last.url, Request(str(last.url), 0, 1).span)
+        target = _Target(last.store, last.url, Span(0, 1))
         self._probe = asyncio.ensure_future(self._probe_once(target))
 
     async def _probe_once(self, target: _Target) -> None:

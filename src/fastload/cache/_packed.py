@@ -503,22 +503,17 @@ class _Writer:
         """Write ``pending``'s bytes into its space (without the lock)."""
         written = 0
         views: Sequence[bytes | memoryview] = pending.pieces
-        try:
-            while True:
-                written += os.pwritev(self.fd, views[:_IOV_MAX], pending.start + written)
-                if written >= pending.length:
-                    break
-                views = _after([memoryview(p).cast("B") for p in pending.pieces], written)
-        except BaseException:
-            pending.failed = True
-            raise
+        while True:
+            written += os.pwritev(self.fd, views[:_IOV_MAX], pending.start + written)
+            if written >= pending.length:
+                break
+            views = _after([memoryview(p).cast("B") for p in pending.pieces], written)
         pending.written = True
 
     def done(self, pending: _Pending) -> list[tuple[str, Where]]:
-        """After :meth:`write` (or its failure): the places to record now, those of the taken
-        space written without a gap before it."""
-        if not pending.written:
-            pending.failed = True
+        """After :meth:`write` (or its failure, or none: an earlier part's write failed): the
+        places to record now, those of the taken space written without a gap before it."""
+        pending.failed = not pending.written
         ready: list[tuple[str, Where]] = []
         while self.queue and (self.queue[0].written or self.queue[0].failed):
             first = self.queue.popleft()
