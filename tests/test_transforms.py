@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -196,3 +197,50 @@ def test_quantile_normalize_leaves_a_masked_background_out() -> None:
     out = QuantileNormalize()(masked)
     assert np.isnan(out[:, :8]).all() and np.isfinite(out[:, 8:]).all()
     assert float(out[:, 8:].min()) == 0.0 and float(out[:, 8:].max()) == 1.0
+
+
+def test_quantile_normalize_a_region_the_stride_misses_is_not_turned_to_nan() -> None:
+    """A masked volume whose only valid voxels lie between the strided ones (3 of 16 slices,
+    none a multiple of 4): the estimate found no finite value and every valid voxel came out
+    NaN, with only numpy's warning. It is now taken on every element."""
+    rng = np.random.default_rng(1)
+    volume = np.full((16, 32, 32), np.nan, np.float32)
+    volume[1:4, 5:30, 5:30] = rng.normal(100, 20, (3, 25, 25))
+    valid = volume[1:4, 5:30, 5:30]
+    low, high = np.percentile(valid, [0.5, 99.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "All-NaN slice" either
+        out = QuantileNormalize()(volume)
+    np.testing.assert_allclose(
+        out[1:4, 5:30, 5:30], np.clip((valid - low) / (high - low), 0, 1), atol=1e-6
+    )
+    assert np.isnan(np.delete(out, np.s_[1:4], axis=0)).all()
+
+
+def test_quantile_normalize_leaves_infinities_out_of_the_estimate() -> None:
+    """Two +inf voxels among the 256 strided ones (0.8%, above the 99.5th percentile) made the
+    high percentile infinite and every finite voxel 0.0. Infinities now sit past the ends."""
+    volume = np.random.default_rng(2).normal(100, 20, (16, 32, 32)).astype(np.float32)
+    volume[0, 0, 0] = volume[0, 0, 4] = np.inf
+    volume[0, 0, 8] = -np.inf
+    probe = volume[::4, ::4, ::4]
+    low, high = np.percentile(probe[np.isfinite(probe)], [0.5, 99.5])
+    out = QuantileNormalize()(volume)
+    finite = np.isfinite(volume)
+    np.testing.assert_allclose(
+        out[finite], np.clip((volume[finite] - low) / (high - low), 0, 1), atol=1e-6
+    )
+    assert out[0, 0, 0] == 1.0 and out[0, 0, 8] == 0.0
+    unclipped = QuantileNormalize(clip=False)(volume)
+    assert unclipped[0, 0, 0] == np.inf and unclipped[0, 0, 8] == -np.inf
+
+
+def test_quantile_normalize_with_nothing_to_spread() -> None:
+    """No finite element: NaN stays NaN (no warning); a constant volume maps to 0."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        empty = QuantileNormalize()(np.full((8, 8), np.nan, np.float32))
+        constant = QuantileNormalize()(torch.full((8, 8), 7, dtype=torch.int16))
+    assert np.isnan(empty).all()
+    assert isinstance(constant, torch.Tensor) and constant.dtype == torch.float32
+    assert not constant.any()

@@ -259,7 +259,10 @@ class QuantileNormalize(_Params):
 
     The percentiles are estimated on every ``stride``-th element along each axis (stride 4 on
     a 3-D volume reads 1/64 of it), which is what makes this affordable on 200 MB volumes.
-    NaN elements (a masked background) are left out of the estimate and stay NaN.
+    NaN and infinite elements are left out of the estimate: NaN (a masked background) stays
+    NaN, an infinity goes past the ends (to 0 or 1 when clipped). When the strided elements hold
+    no finite value (a small region in a masked volume), the estimate uses every element; a
+    constant volume, or one with no finite value, maps its finite elements to 0.
     """
 
     low: float = 0.5
@@ -275,14 +278,29 @@ class QuantileNormalize(_Params):
 
     def __call__(self, sample: Any) -> Any:
         array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
-        probe = array[(slice(None, None, self.stride),) * array.ndim]
-        masked = probe.dtype.kind in "fc" and bool(np.isnan(probe).any())
-        lo, hi = (np.nanpercentile if masked else np.percentile)(probe, [self.low, self.high])
-        scale = 1.0 / (hi - lo) if hi > lo else 0.0
-        out = (array.astype(np.float32, copy=False) - np.float32(lo)) * np.float32(scale)
+        lo, hi = self._percentiles(array)
+        values = array.astype(np.float32, copy=False)
+        if hi > lo:
+            out = (values - np.float32(lo)) * np.float32(1.0 / (hi - lo))
+        else:  # nothing to spread: finite elements to 0, NaN and infinities as they are
+            out = np.where(np.isfinite(values), np.float32(0), values)
         if self.clip:
             np.clip(out, 0.0, 1.0, out=out)
         return torch.from_numpy(out) if isinstance(sample, torch.Tensor) else out
+
+    def _percentiles(self, array: np.ndarray) -> tuple[float, float]:
+        """The ``low`` and ``high`` percentiles of the finite strided elements (of all finite
+        elements when none of those is); (0, 0) when there is no finite element."""
+        probe = array[(slice(None, None, self.stride),) * array.ndim]
+        if probe.dtype.kind != "f":  # integers are all finite
+            lo, hi = np.percentile(probe, [self.low, self.high])
+            return float(lo), float(hi)
+        for values in (probe, array):
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                lo, hi = np.percentile(finite, [self.low, self.high])
+                return float(lo), float(hi)
+        return 0.0, 0.0
 
 
 @dataclass(frozen=True)
