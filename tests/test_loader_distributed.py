@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -46,7 +47,7 @@ def _on_ranks(job: Callable[..., Any], *args: Any) -> list[Any]:
         manager.shutdown()
 
 
-def _epochs(root: str, options: dict[str, Any], cache: str) -> dict[str, Any]:
+def _epochs(root: str, options: dict[str, Any], cache: str, workers: int = 0) -> dict[str, Any]:
     import fastload
     from fastload import Cache, ChunkConfig, RemoteDataset
     from tests.test_shards import DECODE, image
@@ -59,10 +60,12 @@ def _epochs(root: str, options: dict[str, Any], cache: str) -> dict[str, Any]:
         cache=Cache(cache, format="npy"),
         storage_options=options,
     )
-    loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, seed=11, collate_fn=list)
+    loader = fastload.DataLoader(
+        dataset, batch_size=BATCH, shuffle=True, seed=11, collate_fn=list, num_workers=workers
+    )
     epochs, requests, wrong = [], [], 0
     for _ in range(2):
-        before = dataset.fetcher.counters.requests
+        before = _requests(loader)
         seen = []
         for batch in loader:
             for item in batch:
@@ -70,7 +73,7 @@ def _epochs(root: str, options: dict[str, Any], cache: str) -> dict[str, Any]:
                 wrong += not np.array_equal(item["npy"], image(n)) or item["cls"] != n % 3
                 seen.append(n)
         epochs.append(seen)
-        requests.append(dataset.fetcher.counters.requests - before)
+        requests.append(_requests(loader) - before)
         dist.barrier()  # the ranks end an epoch together, as DDP's steps keep them
     assert dataset.blocks is not None
     return {
@@ -82,12 +85,23 @@ def _epochs(root: str, options: dict[str, Any], cache: str) -> dict[str, Any]:
     }
 
 
-def test_ranks_read_every_sample_once_from_their_own_chunks(seaweed: Any, tmp_path: Path) -> None:
+def _requests(loader: Any) -> int:
+    """Requests of this rank's process and its workers so far."""
+    counters = loader.counters
+    return 0 if counters is None else int(counters.fetch.requests)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_read_every_sample_once_from_their_own_chunks(
+    seaweed: Any, tmp_path: Path, workers: int
+) -> None:
+    """With workers too: each rank's share is split again among its workers, and nothing is
+    read twice or left out across ranks and workers."""
     options = seaweed.storage_options()
     root = f"s3://{BUCKET}/loader-distributed-{uuid.uuid4().hex[:8]}"
     tar_dataset(root, options)
     # one cache shared by the ranks, as on one host
-    ranks = _on_ranks(_epochs, root, options, str(tmp_path / "cache"))
+    ranks = _on_ranks(_epochs, root, options, str(tmp_path / "cache"), workers)
 
     total = SHARDS * PER_SHARD
     per_rank = -(-total // WORLD)
