@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import namedtuple
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import fastload
 from fastload import (
@@ -23,7 +26,7 @@ from fastload import (
     UnsupportedSampleError,
 )
 from fastload.stall import DATA_BOUND_ABOVE, StallReport
-from fastload.testing import FaultProxy, Faults, S3Server
+from fastload.testing import FaultProxy, Faults, S3Server, free_port
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
 
@@ -310,3 +313,35 @@ def test_cuda_copies_from_pinned_memory_overlap_compute() -> None:
 
     ahead, blocking = steady_wait(True), steady_wait(False)
     assert ahead < DATA_BOUND_ABOVE and ahead < blocking / 2, (ahead, blocking)
+
+
+def _nccl_rank(rank: int, world: int, port: int, root: str, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        dataset = RemoteDataset(root, decode="npy")  # rank 0 lists; the others receive it
+        out[rank] = (len(dataset), float(dataset[rank].sum()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_nccl_ranks_that_never_set_a_device_still_share_a_listing(tmp_path: Path) -> None:
+    """Two NCCL ranks, neither calling ``torch.cuda.set_device``, so both on cuda:0: the
+    listing rank 0 hands the others went through NCCL on that one GPU and failed. It goes
+    through a gloo group of the same ranks (fastload.ranks)."""
+    for i in range(5):
+        np.save(tmp_path / f"{i}.npy", np.full(3, i))
+    manager = mp.get_context("spawn").Manager()
+    try:
+        out = manager.dict()
+        mp.start_processes(
+            _nccl_rank,
+            args=(2, free_port(), f"file://{tmp_path}", out),
+            nprocs=2,
+            start_method="spawn",
+        )
+        assert [out[rank] for rank in range(2)] == [(5, 0.0), (5, 3.0)]
+    finally:
+        manager.shutdown()

@@ -180,3 +180,34 @@ def test_a_dataset_made_on_rank_zero_alone_reads_everything_without_waiting(
     tar_dataset(root, options)
     seen = _on_ranks(_evaluate_on_rank_zero, root, options)
     assert sorted(seen[0]) == list(range(SHARDS * PER_SHARD)) and seen[1:] == [[], []]
+
+
+def _objects_beside_nccl() -> dict[str, Any]:
+    import fastload.ranks as ranks
+
+    ranks.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment,misc]
+    parts = ranks.on_every_rank(lambda rank, world: (rank, world))
+    listed = ranks.on_rank_zero(lambda: f"listed on rank {dist.get_rank()}")
+    group = ranks._gloo[1]
+    again = ranks.on_every_rank(lambda rank, world: rank * 10)
+    return {
+        "parts": parts,
+        "listed": listed,
+        "again": again,
+        "side group": group is not None and group is not dist.group.WORLD,
+        "made once": ranks._gloo[1] is group,
+    }
+
+
+def test_under_nccl_objects_go_through_a_gloo_group_of_the_same_ranks() -> None:
+    """A unit detail, with real processes: under an NCCL default group, fastload's object
+    collectives (listing on rank 0, indexing split across ranks) would carry the pickled
+    objects on ``torch.cuda.current_device()`` (the same GPU on every rank unless the program
+    set one per rank first). They go through a gloo group of the same ranks, made once. The
+    backend's name is the only thing faked: this machine has no GPU (the collectives are gloo's)."""
+    ranks = _on_ranks(_objects_beside_nccl)
+    for result in ranks:
+        assert result["parts"] == [(rank, WORLD) for rank in range(WORLD)]
+        assert result["listed"] == "listed on rank 0"
+        assert result["again"] == [rank * 10 for rank in range(WORLD)]
+        assert result["side group"] and result["made once"]

@@ -136,7 +136,7 @@ def _gather(outcome: tuple[bool, Any], tag: str) -> list[tuple[bool, Any]]:
     """Every rank's ``outcome``, in rank order, on every rank."""
     if _torch_distributed():
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, outcome)
+        dist.all_gather_object(gathered, outcome, group=_object_group())
         return gathered
     return _exchange(outcome, tag)
 
@@ -145,11 +145,28 @@ def _broadcast(outcome: tuple[bool, Any] | None, tag: str) -> tuple[bool, Any]:
     """Rank 0's ``outcome`` on every rank."""
     if _torch_distributed():
         payload: list[Any] = [outcome]
-        dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(payload, src=0, group=_object_group())
         received: tuple[bool, Any] = payload[0]
         return received
     sent: tuple[bool, Any] = _exchange(outcome, tag)[0]
     return sent
+
+
+_gloo: list[Any] = []  # [the default group, a gloo group of its ranks] once made
+
+
+def _object_group() -> Any:
+    """The group fastload's object collectives use: the default group, unless its backend is
+    NCCL alone. NCCL would carry the pickled objects on ``torch.cuda.current_device()``, the same
+    GPU on every rank unless the program called ``torch.cuda.set_device`` before making the
+    dataset, and fail or hang; a gloo group of the same ranks (made once per default group, by
+    every rank at the same call) carries them on the CPU."""
+    if dist.get_backend() != "nccl":
+        return None
+    world = dist.group.WORLD
+    if not _gloo or _gloo[0] is not world:
+        _gloo[:] = [world, dist.new_group(backend="gloo")]
+    return _gloo[1]
 
 
 def _exchange(outcome: Any, tag: str) -> list[Any]:
