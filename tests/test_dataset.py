@@ -24,6 +24,7 @@ from fastload import (
     Manifest,
     ObjectNotFoundError,
     RemoteDataset,
+    UnsupportedSampleError,
     versioned,
 )
 from fastload.stores import filesystem
@@ -179,6 +180,47 @@ def test_raise_names_the_object_and_its_type_of_failure(seaweed: S3Server) -> No
     fs.rm(f"{base}/0000.npy")
     with pytest.raises(ObjectNotFoundError, match=r"0000\.npy"):
         dataset[0]
+
+
+@pytest.mark.parametrize("fmt", ["npy", "zarr"])
+def test_a_sample_the_cache_cannot_hold_is_named_and_keeps_its_batch_cached(
+    seaweed: S3Server, tmp_path: Path, fmt: str
+) -> None:
+    """One object decodes to a structured array (a record per row), which no cache format
+    holds. It was an UnsupportedSampleError naming no object, under on_error="skip" too, and
+    no sample of its batch was cached. Now its error names it, skip leaves it out by name, and
+    the rest of its batch is cached; warm-cache reports it by URL."""
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/records-{uuid.uuid4().hex[:8]}", options, 6)
+    records = np.array([(1, 2.0), (3, 4.0)], dtype=[("id", "<i4"), ("x", "<f8")])
+    filesystem(root, options).pipe(f"{root.split('://')[1]}/0003.npy", npy(records))
+    manifest = Manifest.build(root, storage_options=options)
+
+    def dataset(on_error: str) -> RemoteDataset:
+        cache = Cache(tmp_path / on_error, format=fmt)  # type: ignore[arg-type]
+        return RemoteDataset(
+            manifest, decode="npy", cache=cache, on_error=on_error, storage_options=options
+        )
+
+    raising = dataset("raise")
+    with pytest.raises(UnsupportedSampleError, match=r"structured array.*not cached: s3://.*0003"):
+        list(DataLoader(raising, batch_size=6, collate_fn=list))
+    assert raising.stats()["cache"]["writes"] == 5  # the other five of its batch
+    assert [value_of(raising[i]) for i in (0, 5)] == [0, 5]
+    assert raising.stats()["cache"]["hits"] == 2
+
+    skipping = dataset("skip")
+    for _ in range(2):
+        (batch,) = list(DataLoader(skipping, batch_size=6, collate_fn=list))
+        assert len(batch) == 6 and all(item.dtype == np.float32 for item in batch)
+    stats = skipping.stats()
+    assert stats["dataset"]["skipped"] == 2 and len(stats["dataset"]["skipped_keys"]) == 1
+    assert "0003.npy" in stats["dataset"]["skipped_keys"][0]
+    assert stats["cache"]["writes"] == 5 and stats["cache"]["hits"] == 5  # the second epoch
+    failures = skipping.warm(range(6))
+    assert [(url.rsplit("/", 1)[1], type(error)) for url, error in failures] == [
+        ("0003.npy", UnsupportedSampleError)
+    ]
 
 
 def test_errors_inside_dataloader_workers_name_the_object(seaweed: S3Server) -> None:

@@ -55,7 +55,13 @@ from fastload.cache.formats import (
     ZarrFormat,
     entry_bytes,
 )
-from fastload.errors import CacheError, CacheFullError, ConfigError, CorruptEntryError
+from fastload.errors import (
+    CacheError,
+    CacheFullError,
+    ConfigError,
+    CorruptEntryError,
+    UnsupportedSampleError,
+)
 from fastload.stats import CacheStats
 
 __all__ = ["Cache", "CacheFormat", "VerifyReport"]
@@ -613,15 +619,14 @@ class Cache:
             values = list(compute(todo))
             if len(values) != len(todo):
                 raise ConfigError(f"compute returned {len(values)} values for {len(todo)} names")
+            made = []
             for i, value in zip(todo, values, strict=True):
                 out[i] = value
-            self._store_made(
-                [
-                    (digests[i], names[i], value)
-                    for i, value in zip(todo, values, strict=True)
-                    if not isinstance(value, BaseException)
-                ]
-            )
+                if not isinstance(value, BaseException):
+                    made.append(i)
+            refused = self._store_made([(digests[i], names[i], out[i]) for i in made])
+            for k, error in refused.items():  # in its slot, as a failure to make it would be
+                out[made[k]] = error
         finally:
             for lock in locked.values():
                 lock.release(remove=True)
@@ -630,31 +635,36 @@ class Cache:
         """Store ``sample`` under ``name`` (replacing what was there)."""
         self._writable(f"store {name}")
         digest = self._digest(name)
-        if self._packed is not None:  # an append and its record: no lock (the last one wins)
-            self._store_all([(digest, name, sample)])
-            return
-        lock = self._lock(digest)
-        lock.acquire()
+        # a segment entry is an append and its record: no lock (the last one wins)
+        lock = None if self._packed is not None else self._lock(digest)
+        if lock is not None:
+            lock.acquire()
         try:
-            self._store(digest, name, sample)
+            refused = self._store_all([(digest, name, sample)])
         finally:
-            lock.release(remove=True)
+            if lock is not None:
+                lock.release(remove=True)
+        if refused:
+            raise refused[0]
 
     @property
     def full(self) -> bool:
         """Whether reads store nothing for now: a write found the disk full moments ago."""
         return time.monotonic() < self._full_until
 
-    def _store_made(self, items: Sequence[tuple[str, str, Any]]) -> None:
-        """Store what a read made. On a full disk the read still gets its samples, uncached
+    def _store_made(
+        self, items: Sequence[tuple[str, str, Any]]
+    ) -> dict[int, UnsupportedSampleError]:
+        """Store what a read made; what the format cannot hold is refused (see
+        :meth:`_store_all`). On a full disk the read still gets its samples, uncached
         (counted in ``unstored``; a warning every ``_FULL_WARN_EVERY`` s), and reads store
         nothing for ``_FULL_PAUSE`` s before trying again: a training run outlives a full disk."""
         if self.full:
             self.counters.unstored += len(items)
-            return
+            return {}
         now = time.monotonic()
         try:
-            self._store_all(items)
+            return self._store_all(items)
         except CacheFullError as exc:
             self.counters.unstored += len(items)  # a batch whose first part landed: all counted
             self._full_until = now + _FULL_PAUSE
@@ -665,15 +675,23 @@ class Cache:
                     "the cache a budget: Cache(max_bytes=...))",
                     exc,
                 )
+            return {}
 
-    def _store_all(self, items: Sequence[tuple[str, str, Any]]) -> None:
+    def _store_all(
+        self, items: Sequence[tuple[str, str, Any]]
+    ) -> dict[int, UnsupportedSampleError]:
         """Store each ``(digest, name, sample)``: segment entries together, zarr ones one by
-        one."""
+        one. A sample the format cannot hold is left out and does not stop the others: its
+        error, naming it, by its position in ``items``."""
         if self._packed is not None:
-            self._store_packed(items)
-            return
-        for digest, name, sample in items:
-            self._store(digest, name, sample)
+            return self._store_packed(items)
+        refused = {}
+        for k, (digest, name, sample) in enumerate(items):
+            try:
+                self._store(digest, name, sample)
+            except UnsupportedSampleError as exc:
+                refused[k] = _refused(exc, name)
+        return refused
 
     def _store(self, digest: str, name: str, sample: Any) -> None:
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -705,12 +723,20 @@ class Cache:
         self.counters.writes += 1
         self.counters.bytes_written += size
 
-    def _store_packed(self, items: Sequence[tuple[str, str, Any]]) -> None:
-        """Append the entries of ``items`` to this process's segment together."""
+    def _store_packed(
+        self, items: Sequence[tuple[str, str, Any]]
+    ) -> dict[int, UnsupportedSampleError]:
+        """Append the entries of ``items`` to this process's segment together (what the format
+        cannot hold is refused, as :meth:`_store_all` says)."""
         assert self._packed is not None
         layout, entries, names = self._packed.layout, [], []
-        for digest, name, sample in items:
-            entry = layout.encode(sample, bytes.fromhex(digest)[:CHECK_BYTES])
+        refused = {}
+        for k, (digest, name, sample) in enumerate(items):
+            try:
+                entry = layout.encode(sample, bytes.fromhex(digest)[:CHECK_BYTES])
+            except UnsupportedSampleError as exc:
+                refused[k] = _refused(exc, name)
+                continue
             if self.max_bytes is not None and entry.length > self.max_bytes:
                 self.counters.oversize += 1
                 self._warn_once(
@@ -720,7 +746,7 @@ class Cache:
             entries.append((digest, entry))
             names.append(name)
         if not entries:
-            return
+            return refused
         limit = SEGMENT_BYTES
         if self.max_bytes is not None:
             limit = min(limit, self.max_bytes // _SEGMENTS_PER_BUDGET)
@@ -738,6 +764,7 @@ class Cache:
             raise self._write_error(exc, f"{names[0]}{more}") from exc
         self.counters.writes += len(entries)
         self.counters.bytes_written += size
+        return refused
 
     def _write_error(self, exc: OSError, what: str) -> CacheError:
         kind = CacheFullError if exc.errno in _FULL else CacheError
@@ -952,6 +979,13 @@ class Cache:
         finally:
             for lock in locks:
                 lock.release()
+
+
+def _refused(error: UnsupportedSampleError, name: str) -> UnsupportedSampleError:
+    """``error`` naming the sample the cache cannot hold (its message names the place)."""
+    refused = UnsupportedSampleError(f"{error}; not cached: {name}")
+    refused.__cause__ = error
+    return refused
 
 
 @contextlib.contextmanager
