@@ -236,7 +236,7 @@ class _Batched(Dataset[Any]):
     def _settle(self, indices: list[int], items: list[Any]) -> list[Any]:
         """Raise the first failure that may not be skipped, or put stand-ins in the failed
         slots (``on_error="skip"``, ``on_change="skip"``)."""
-        good = self._skipped(items)
+        good = self._skipped(indices, items)
         if not good:
             good = self._stand_ins(indices[0])
         return [
@@ -244,27 +244,34 @@ class _Batched(Dataset[Any]):
             for i, item in enumerate(items)
         ]
 
-    def _skipped(self, items: list[Any]) -> list[Any]:
-        """The good ``items``, after skipping the failed ones, or the failure to raise.
+    def _skipped(self, indices: list[int], items: list[Any]) -> list[Any]:
+        """The good ``items`` (of the samples at ``indices``), after skipping the failed ones,
+        or the failure to raise.
 
         A transient failure (the store answered nothing good within the retry budget) is
         skipped, as a quarantined object, only beside samples that were read: when nothing
         could be read, the store is out, and an outage is never a bad object.
         """
         good = [item for item in items if not isinstance(item, BaseException)]
-        failed = [item for item in items if isinstance(item, BaseException)]
-        for error in failed:
+        failed = [
+            (i, item)
+            for i, item in zip(indices, items, strict=True)
+            if isinstance(item, BaseException)
+        ]
+        for _, error in failed:
             policy = self.on_error
             if isinstance(error, ObjectChangedError) and self.on_change in ("raise", "skip"):
                 policy = self.on_change
             if policy == "raise" or (not good and isinstance(error, TransientStoreError)):
                 raise error
-        for error in failed:
-            self._skip(error)
+        for index, error in failed:
+            self._skip(error, index)
         return good
 
-    def _skip(self, error: BaseException) -> None:
-        key = str(getattr(error, "url", "") or error)
+    def _skip(self, error: BaseException, index: int) -> None:
+        """Count a skipped sample; the first time, name it (the error's object, else the
+        sample's own name) in ``skipped_keys`` and the log."""
+        key = str(getattr(error, "url", "") or self._display(index))
         self.counters.dataset.skipped += 1
         if key not in self.counters.dataset.skipped_keys:
             self.counters.dataset.skipped_keys.append(key)
@@ -275,7 +282,7 @@ class _Batched(Dataset[Any]):
         n = len(self)
         for step in range(1, _REPLACE_ROUNDS + 1):
             candidates = [(index + step * k) % n for k in range(1, 5)]
-            good = self._skipped(self._items(candidates))
+            good = self._skipped(candidates, self._items(candidates))
             if good:
                 return good
         raise ConfigError(
