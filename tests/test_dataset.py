@@ -307,7 +307,7 @@ def test_a_read_takes_what_the_lookahead_made_instead_of_reading_it_back(
     """The lookahead's samples are held for the read of their batch (no copy and checksum
     back out of the cache); a read of a batch the lookahead is making waits for it, not for
     the cache's locks; what is held stays within HANDOFF_BYTES; a pickled dataset holds none."""
-    from fastload import dataset as module
+    from fastload import _handoff as module
 
     root, options = s3_root
     cache = Cache(tmp_path, format="npy")
