@@ -166,9 +166,11 @@ def test_zarr_refuses_dtypes_zarr_lacks_with_a_hint(tmp_path: Path) -> None:
     ],
 )
 def test_unsupported_values_are_named(tmp_path: Path, fmt: str, value: Any, message: str) -> None:
+    """The message names the value's place in the sample and the entry (``put``'s name)."""
     cache = Cache(tmp_path, format=fmt)  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedSampleError, match=message):
-        cache.put("x", value)
+    with pytest.raises(UnsupportedSampleError, match=message + r".*not cached: s3://b/x\.npy$"):
+        cache.put("s3://b/x.npy", value)
+    assert len(cache) == 0
 
 
 def test_zarr_entries_are_plain_zarr_v3(tmp_path: Path) -> None:
