@@ -327,6 +327,49 @@ def test_compressed_tar_shards_are_refused_not_left_out(
     assert dataset[7]["cls"] == str(7 % 3).encode()
 
 
+def test_macos_and_webdataset_metadata_members_are_not_samples(
+    seaweed: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard made with macOS tar (``tar cf shard.tar .``) carries an AppleDouble companion
+    ``._name`` before each file, a ``.DS_Store`` and names members ``./n01/...``; WebDataset
+    writes ``__name__`` metadata members. WebDataset leaves them out; fastload raised a ShardError
+    ("no basename.extension") for the whole dataset. Now they are left out and counted in an
+    INFO line, and every real sample is read as before."""
+    root = f"s3://{BUCKET}/macos-tar-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        members = [("./__index__", b"{}"), ("./n01/.DS_Store", b"Bud1")]
+        for n in range(4):
+            for ext, body in (("png", npy(image(n))), ("cls", str(n % 3).encode())):
+                name = f"n01/{n:06d}.{ext}"
+                members += [(f"./n01/._{n:06d}.{ext}", b"\x00\x05\x16\x07 attributes")]
+                members += [(f"./{name}", body)]
+        for name, body in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    write(root, options, {"train/shard-000.tar": packed.getvalue()})
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        dataset = RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+    assert len(dataset) == 4
+    assert dataset.source[2].url.endswith("shard-000.tar#./n01/000002")
+    assert dataset[2]["cls"] == b"2"
+    assert np.array_equal(fastload.transforms.decode_npy(dataset[3]["png"]), image(3))
+    assert "leaving out 10 members that are not sample data" in caplog.text
+    assert "./__index__" in caplog.text
+
+    stray = io.BytesIO()  # a member with no extension that is not metadata stays an error
+    with tarfile.open(fileobj=stray, mode="w") as tar:
+        for name in ("._LICENSE", "LICENSE"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"MIT"))
+    write(root, options, {"train/shard-001.tar": stray.getvalue()})
+    with pytest.raises(ShardError, match=r"member 'LICENSE' has no basename.extension"):
+        RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+
+
 def test_a_fixed_reader_makes_cached_samples_again(
     b2: B2Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = "tar-index/2"  # 2: links kept (size -1), not dropped; extensions lowercased
 _BLOCK = tarfile.BLOCKSIZE
 _BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the first dot of the name
+# not sample data, left out as WebDataset leaves them out: hidden files, such as the AppleDouble
+# companions macOS tar writes (``._000123.jpg``: the extended attributes of ``000123.jpg``) and
+# ``.DS_Store``, and WebDataset's own ``__name__`` metadata members
+_NOT_SAMPLES = re.compile(r"^(?:.*/)?(?:\.[^/]*|__[^/]*__)$")
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
 _GAP = 256 << 10  # a window starting at most this far past the last starts at its end
 
@@ -93,7 +97,18 @@ class TarShards(Shards):
     ) -> list[tuple[str, list[tuple[str, int]]]]:
         """The shard's samples: runs of members sharing a key, as (key, [(extension, member)])."""
         runs: list[tuple[str, list[tuple[str, int]]]] = []
+        left_out = [name for name in names if _NOT_SAMPLES.match(name)]
+        if left_out:
+            log.info(
+                "%s: leaving out %d members that are not sample data (hidden files such as "
+                "macOS's '._' and '.DS_Store', WebDataset's '__name__' metadata), e.g. %r",
+                entry.url,
+                len(left_out),
+                left_out[0],
+            )
         for i, name in enumerate(names):
+            if _NOT_SAMPLES.match(name):
+                continue
             found = _BASENAME.match(name)
             if found is None:
                 self._bad(entry, f"member {name!r} has no basename.extension to group it by")
