@@ -352,6 +352,65 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
     assert single[0].shape == (8, 9)
 
 
+def enhanced_ct(stored: np.ndarray, per_frame: list[tuple[float, float]] | None) -> bytes:
+    """An Enhanced CT file (multi-frame): its rescale is in the functional groups, per frame
+    when ``per_frame`` is given, else shared by every frame (slope 1, intercept -1024)."""
+    from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
+    from pydicom.uid import EnhancedCTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+    def group(slope: float, intercept: float) -> Dataset:
+        item, transformation = Dataset(), Dataset()
+        transformation.RescaleSlope, transformation.RescaleIntercept = slope, intercept
+        transformation.RescaleType = "HU"
+        item.PixelValueTransformationSequence = [transformation]
+        return item
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = EnhancedCTImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset("volume", {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = EnhancedCTImageStorage, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.NumberOfFrames = "CT", len(stored)
+    ds.Rows, ds.Columns = stored.shape[1:]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+    ds.SharedFunctionalGroupsSequence = [group(1, -1024)]
+    if per_frame is not None:
+        ds.PerFrameFunctionalGroupsSequence = [group(*pair) for pair in per_frame]
+    ds.PixelData = stored.astype(np.uint16).tobytes()
+    out = io.BytesIO()
+    ds.save_as(out, enforce_file_format=True)
+    return out.getvalue()
+
+
+def test_an_enhanced_multiframe_ct_comes_out_in_hounsfield_units(gcs: FakeGcsServer) -> None:
+    """An Enhanced CT file keeps RescaleSlope and RescaleIntercept in its functional groups
+    (shared, or one per frame), not at the top level: decode="dicom" gave the stored values
+    (0..4095) for Hounsfield units (-1024..3071), with no error."""
+    root = f"gs://{BUCKET}/enhanced-ct-{uuid.uuid4().hex[:8]}"
+    options = gcs.storage_options()
+    stored = np.random.default_rng(5).integers(0, 4096, (4, 6, 7))
+    per_frame = [(1.0, -1024.0), (2.0, -1024.0), (1.0, -1000.0), (0.5, 0.0)]
+    write(
+        root,
+        options,
+        {
+            "a-shared.dcm": enhanced_ct(stored, None),
+            "b-per-frame.dcm": enhanced_ct(stored, per_frame),
+            "c-wrong-count.dcm": enhanced_ct(stored, per_frame[:3]),
+        },
+    )
+    dataset = RemoteDataset(root, decode="dicom", storage_options=options)
+    shared, each = dataset[0], dataset[1]
+    assert shared.dtype == np.float32 and shared.shape == (4, 6, 7)
+    np.testing.assert_array_equal(shared, stored - 1024.0)
+    expected = np.stack([stored[i] * s + b for i, (s, b) in enumerate(per_frame)])
+    np.testing.assert_array_equal(each, expected.astype(np.float32))
+    with pytest.raises(DecodeError, match=r"a rescale for each of 3 frames .*c-wrong-count"):
+        dataset[2]
+
+
 def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
     """A subject folder holding a T1 and a T2 series, one series of two echoes at each
     position, or a series with its localizer: sorted by position, their slices interleaved into
@@ -376,6 +435,9 @@ def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
     objects["sub-04/scout.dcm"] = ct_slice(
         value, z=0.0, instance=9, series="1.2.4", orientation=(0, 1, 0, 0, 0, -1)
     )
+    for z in (-2, -1, 1):  # a slice that lost its position was put at 0 mm: between the others
+        objects[f"sub-05/IM{z + 2}.dcm"] = ct_slice(value, z=10.0 * z, instance=z + 2)
+    objects["sub-05/IM1.dcm"] = without_position(objects["sub-05/IM1.dcm"])
     write(root, options, objects)
     dataset = RemoteDataset(
         root, group_by=r"^(sub-\d+)/", decode="dicom-series", storage_options=options
@@ -387,6 +449,19 @@ def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
     assert dataset[2].shape == (3, 8, 9)
     with pytest.raises(DecodeError, match=r"scout\.dcm faces another way .*a localizer"):
         dataset[3]
+    with pytest.raises(DecodeError, match=r"IM1\.dcm gives no slice position .*IM0\.dcm does"):
+        dataset[4]
+
+
+def without_position(data: bytes) -> bytes:
+    """A DICOM file without its ImagePositionPatient."""
+    import pydicom
+
+    ds = pydicom.dcmread(io.BytesIO(data))
+    del ds.ImagePositionPatient
+    out = io.BytesIO()
+    ds.save_as(out, enforce_file_format=True)
+    return out.getvalue()
 
 
 def test_a_saved_manifest_keeps_the_grouping(

@@ -2,13 +2,16 @@
 
 Pixel values come out in their modality's units: ``RescaleSlope`` and ``RescaleIntercept``
 are applied (CT in Hounsfield units), giving ``float32`` when they change anything and the
-stored integer type otherwise. A multi-frame file is ``frames x H x W``; a series is sorted by
-slice position along the slice normal (``ImagePositionPatient`` on the cross product of
-``ImageOrientationPatient``), else by ``InstanceNumber``, and stacked to ``slices x H x W``.
+stored integer type otherwise; an enhanced multi-frame file (Enhanced CT, MR, PET) gives them
+in its functional groups, shared or for each frame, and each frame is rescaled by its own.
+
+A multi-frame file is ``frames x H x W``; a series is sorted by slice position along the slice
+normal (``ImagePositionPatient`` on the cross product of ``ImageOrientationPatient``), else by
+``InstanceNumber``, and stacked to ``slices x H x W``.
 Files of several series in one group (a T1 and a T2 in one folder), a slice facing another way
-(a localizer), or two slices at one position (echoes, time points: several volumes in one
-series) are a DecodeError: sorted by position they would interleave into one volume that is
-none of them.
+(a localizer), two slices at one position (echoes, time points: several volumes in one series),
+or a slice without a position among slices with one, are a DecodeError: sorted by position they
+would interleave into one volume that is none of them.
 """
 
 from __future__ import annotations
@@ -39,12 +42,44 @@ def _pixels(ds: Any, where: str) -> np.ndarray:
         array = np.asarray(ds.pixel_array)
     except Exception as exc:  # no pixel data, an unsupported transfer syntax...
         raise DecodeError(f"{where}DICOM pixel data cannot be read ({exc})") from exc
-    slope = float(getattr(ds, "RescaleSlope", 1) or 1)
-    intercept = float(getattr(ds, "RescaleIntercept", 0) or 0)
-    if slope == 1 and intercept == 0:
+    slope, intercept = _rescale(ds, where)
+    if not (slope != 1).any() and not (intercept != 0).any():
         return array
-    rescaled: np.ndarray = array.astype(np.float32) * np.float32(slope) + np.float32(intercept)
+    if slope.size > 1:  # one per frame: over the frame axis
+        if array.ndim < 3 or array.shape[0] != slope.size:
+            raise DecodeError(
+                f"{where}the file names a rescale for each of {slope.size} frames but its "
+                f"pixel data is {array.shape}"
+            )
+        slope, intercept = (v.reshape(-1, *[1] * (array.ndim - 1)) for v in (slope, intercept))
+    rescaled: np.ndarray = array.astype(np.float32) * slope + intercept
     return rescaled
+
+
+def _rescale(ds: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``RescaleSlope`` and ``RescaleIntercept`` as float32 arrays: the file's own (one value),
+    or an enhanced multi-frame file's (Enhanced CT, MR, PET), which keeps them per frame in its
+    functional groups (Pixel Value Transformation), not at the top level."""
+    frames = ds.get("PerFrameFunctionalGroupsSequence") or []
+    shared = ds.get("SharedFunctionalGroupsSequence") or []
+    try:
+        default = _transformation(shared[0]) if shared else None
+        default = default or _transformation(ds) or (1.0, 0.0)
+        pairs = [_transformation(frame) or default for frame in frames] or [default]
+    except (TypeError, ValueError) as exc:  # pydicom reads a malformed DS as a string
+        raise DecodeError(f"{where}RescaleSlope or RescaleIntercept is not a number") from exc
+    values = np.asarray(pairs[:1] if len(set(pairs)) == 1 else pairs, dtype=np.float32)
+    return values[:, 0], values[:, 1]
+
+
+def _transformation(item: Any) -> tuple[float, float] | None:
+    """(slope, intercept) of a dataset or functional group item that gives them, else None."""
+    inner = item.get("PixelValueTransformationSequence")
+    if inner:
+        item = inner[0]
+    if "RescaleSlope" not in item and "RescaleIntercept" not in item:
+        return None
+    return (float(item.get("RescaleSlope", 1) or 1), float(item.get("RescaleIntercept", 0) or 0))
 
 
 def dicom_array(data: bytes) -> np.ndarray:
@@ -84,6 +119,12 @@ def _one_volume(slices: list[tuple[str, Any]]) -> None:
             "localizer or a reformat in the series?): it is not a slice of the same volume"
         )
     placed = [(key, at) for key, ds in slices if (at := _along_normal(ds)) is not None]
+    if 0 < len(placed) < len(slices):
+        unplaced = next(key for key, ds in slices if _along_normal(ds) is None)
+        raise DecodeError(
+            f"{unplaced} gives no slice position (ImagePositionPatient, ImageOrientationPatient) "
+            f"where {placed[0][0]} does: it cannot be put in its place in the volume"
+        )
     for (key, here), (other, there) in itertools.pairwise(placed):
         if abs(here - there) < _SAME_MM:
             raise DecodeError(

@@ -463,14 +463,16 @@ def decode_tiff(data: bytes) -> np.ndarray:
     return tiff_array(data)
 
 
-@versioned(1)
+@versioned(2)  # 2: an enhanced multi-frame file's rescale (functional groups) is applied
 def decode_dicom(data: bytes) -> np.ndarray:
     """One DICOM file's pixels, rescaled to modality units (needs ``fastload[dicom]``; the
     rules: :mod:`fastload._dicom`)."""
     return dicom_array(data)
 
 
-@versioned(2)  # 2: a group that is not one volume is a DecodeError (it was interleaved)
+@versioned(3)  # 2: a group that is not one volume is a DecodeError (it was interleaved);
+# 3: an enhanced multi-frame file's rescale is applied; a slice without a position among
+# slices with one is a DecodeError (it was put at 0 mm)
 def decode_dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
     """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position
     (``RemoteDataset(..., group_by=..., decode="dicom-series")``; needs ``fastload[dicom]``)."""
