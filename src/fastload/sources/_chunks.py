@@ -79,9 +79,14 @@ class ChunkReader:
         memory_bytes: int,
         load: Callable[[Chunk, bytes | memoryview], Any],
         weigh: Callable[[Any], int],
+        *,
+        chunks: int = 0,
+        samples: int = 0,
+        root: str = "",
     ) -> None:
         self.memory_bytes = memory_bytes
         self._load, self._weigh = load, weigh
+        self._chunks, self._samples, self._root = chunks, samples, root
         self._owner = os.getpid()
         self.shared = _scratch(memory_bytes, self._owner)
         self._setup()
@@ -93,15 +98,18 @@ class ChunkReader:
         self._sharing = True  # the scratch cache works (see _unshareable)
         self._unshared: dict[Chunk, bytes | memoryview] = {}  # seeded, not in ``shared`` yet
         self._reading: dict[Chunk, Future[Any]] = {}
+        self._read_before = np.zeros(self._chunks, dtype=bool)  # by Chunk.index
+        self._warned = False
         self.reads = 0
+        self.again = 0  # reads of a chunk this process had read before (and dropped since)
+        self.served = 0  # samples served from chunks, read or kept
         self.hits = 0
         self.seeded = 0
 
     def __getstate__(self) -> dict[str, Any]:
         """A worker's copy: nothing kept, the seeded chunks waiting for it in ``shared``."""
         self._share_seeds()
-        keep = ("memory_bytes", "_load", "_weigh", "shared", "_owner")
-        return {name: self.__dict__[name] for name in keep}
+        return {name: self.__dict__[name] for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -113,6 +121,7 @@ class ChunkReader:
         ours: list[Chunk] = []
         theirs: dict[Chunk, Future[Any]] = {}
         with self._lock:
+            self.served += len(chunks)
             for chunk in dict.fromkeys(chunks):
                 if chunk in self._kept:
                     self._kept.move_to_end(chunk)
@@ -135,7 +144,33 @@ class ChunkReader:
         for chunk, future in theirs.items():
             self.hits += 1
             out[chunk] = future.exception() or future.result()
+        if ours and not self._warned:
+            self._check_order()
         return out
+
+    def _check_order(self) -> None:
+        """Warn once when the order samples are asked for makes chunks be read again and again:
+        a random order over more chunks than memory holds reads a chunk for almost every
+        sample (a shard-aware order reads each chunk about once per epoch, serving all its
+        samples from that read)."""
+        per_chunk = self._samples / max(1, self._chunks)
+        if self.again < _RE_READS or self.served * _THRASH >= self.reads * per_chunk:
+            return
+        self._warned = True
+        log.warning(
+            "shard chunks under %s: %d of this process's %d chunk reads (chunks of about %.0f "
+            "samples) read a chunk again that memory had dropped, serving %.1f samples a read: "
+            "the samples are not asked for chunk by chunk, so nearly every sample costs a "
+            "chunk's read. Shuffle with fastload.DataLoader(shuffle=True) or "
+            "fastload.PermutationSampler(len(dataset), blocks=dataset.blocks), or raise "
+            "ChunkConfig.memory_bytes (now %d) to hold every chunk",
+            self._root,
+            self.again,
+            self.reads,
+            per_chunk,
+            self.served / max(1, self.reads),
+            self.memory_bytes,
+        )
 
     def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
         requests = [
@@ -143,7 +178,9 @@ class ChunkReader:
             for c in chunks
             for a, b in c.ranges
         ]
-        self.reads += len(chunks)
+        with self._lock:
+            self.reads += len(chunks)
+            self.again += sum(self._mark_read(chunk) for chunk in chunks)
         bodies = iter(fetcher.fetch(requests, return_exceptions=True, buffers=True))
         return [_joined([next(bodies) for _ in c.ranges]) for c in chunks]
 
@@ -184,7 +221,16 @@ class ChunkReader:
                 self._keep(chunk, value)
                 if chunk in self._kept:
                     self._unshared[chunk] = body
+                self._mark_read(chunk)
                 self.seeded += 1
+
+    def _mark_read(self, chunk: Chunk) -> bool:
+        """Note that this process has read ``chunk`` (under the lock); whether it had before."""
+        if not 0 <= chunk.index < len(self._read_before):
+            return False
+        before = bool(self._read_before[chunk.index])
+        self._read_before[chunk.index] = True
+        return before
 
     def _share_seeds(self) -> None:
         """Put the seeded chunks still kept into ``shared`` (once each), for the workers."""
@@ -231,6 +277,11 @@ class ChunkReader:
             gone, (_, dropped) = self._kept.popitem(last=False)
             self._held -= dropped
             self._unshared.pop(gone, None)  # held no longer: not to be shared either
+
+
+_PICKLED = ("memory_bytes", "_load", "_weigh", "shared", "_owner", "_chunks", "_samples", "_root")
+_RE_READS = 32  # chunks read again before the order is judged
+_THRASH = 4  # a read serving under a quarter of a chunk's samples: the order is not by chunk
 
 
 def _joined(bodies: list[Any]) -> Any:

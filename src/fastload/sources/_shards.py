@@ -97,7 +97,14 @@ class Shards:
                 f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
             )
         self.blocks = np.asarray(self._firsts, dtype=np.int64)
-        self.reader = ChunkReader(self.config.memory_bytes, self._load, self._weigh)
+        self.reader = ChunkReader(
+            self.config.memory_bytes,
+            self._load,
+            self._weigh,
+            chunks=len(self._chunks),
+            samples=self._count,
+            root=self.root,
+        )
         for chunk in self._chunks:
             seed = memoryview(self._seeds.get(chunk.url, b""))
             if chunk.end <= len(seed):
