@@ -43,7 +43,7 @@ def _pixels(ds: Any, where: str) -> np.ndarray:
     except Exception as exc:  # no pixel data, an unsupported transfer syntax...
         raise DecodeError(f"{where}DICOM pixel data cannot be read ({exc})") from exc
     slope, intercept = _rescale(ds, where)
-    if not (slope != 1).any() and not (intercept != 0).any():
+    if (slope == 1).all() and (intercept == 0).all():
         return array
     if slope.size > 1:  # one per frame: over the frame axis
         if array.ndim < 3 or array.shape[0] != slope.size:

@@ -4,7 +4,9 @@ A chunk is a byte range of one shard holding whole samples (a run of tar members
 row group). The chunks a batch needs are read at once, one ranged request each, and each
 process keeps the most recently used ones in memory (``ChunkConfig.memory_bytes``), so the
 batches that a shard-aware sampler draws from one chunk cost one read between them. Two
-threads that want one chunk at once (the loop and the loader's lookahead) share one read.
+threads that want one chunk at once (the loop and the loader's lookahead) share one read. An
+order that is not shard-aware over more chunks than memory holds reads a chunk for nearly every
+sample: a warning says so, once per process.
 
 DataLoader workers get the batches of one chunk in turn, so without more each worker would
 read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
