@@ -353,6 +353,13 @@ class RemoteDataset(_Batched):
         _check_policies(on_error, on_change, shards, limit, cache)
         if shards != "parquet" and (row_key is not None or columns is not None):
             raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
+        if group_by is None and (members is not None or incomplete != "raise"):
+            raise ConfigError(
+                "members and incomplete say what each group of objects must hold: they need "
+                "group_by (without it they would be ignored)"
+            )
+        if shards is None and chunks is not None:
+            raise ConfigError("chunks configures reading inside shards: it needs shards=")
         self.listing_check: Future[ManifestChanges] | None = None
         listing: Path | None = None  # where the listing is saved
         if isinstance(source, Manifest):
