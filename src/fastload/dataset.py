@@ -351,15 +351,13 @@ class RemoteDataset(_Batched):
         reuse_listing: bool = True,
     ) -> None:
         _check_policies(on_error, on_change, shards, limit, cache)
-        if shards != "parquet" and (row_key is not None or columns is not None):
-            raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
-        if group_by is None and (members is not None or incomplete != "raise"):
-            raise ConfigError(
-                "members and incomplete say what each group of objects must hold: they need "
-                "group_by (without it they would be ignored)"
-            )
-        if shards is None and chunks is not None:
-            raise ConfigError("chunks configures reading inside shards: it needs shards=")
+        _check_belongs(
+            shards=shards,
+            group_by=group_by,
+            parquet_only=row_key is not None or columns is not None,
+            groups_only=members is not None or incomplete != "raise",
+            shards_only=chunks is not None,
+        )
         self.listing_check: Future[ManifestChanges] | None = None
         listing: Path | None = None  # where the listing is saved
         if isinstance(source, Manifest):
@@ -599,6 +597,26 @@ def _check_policies(
         raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
     if cache is not None and not isinstance(cache, Cache):
         raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
+
+
+def _check_belongs(
+    *,
+    shards: object,
+    group_by: object,
+    parquet_only: bool,
+    groups_only: bool,
+    shards_only: bool,
+) -> None:
+    """Arguments that only one kind of source reads are refused elsewhere, never ignored."""
+    if shards != "parquet" and parquet_only:
+        raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
+    if group_by is None and groups_only:
+        raise ConfigError(
+            "members and incomplete say what each group of objects must hold: they need "
+            "group_by (without it they would be ignored)"
+        )
+    if shards is None and shards_only:
+        raise ConfigError("chunks configures reading inside shards: it needs shards=")
 
 
 def _decoder(
