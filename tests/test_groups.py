@@ -255,10 +255,10 @@ def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
     with pytest.raises(ConfigError, match="empty group name"):
         RemoteDataset(root, group_by=lambda k: "", decode="tiff", storage_options=options)
     # what only groups (or shards) use is refused without them, not ignored
-    with pytest.raises(ConfigError, match=r"members and incomplete .* need group_by"):
+    with pytest.raises(ConfigError, match=r"need group_by or shards='tar'"):
         RemoteDataset(root, members=5, decode="tiff", storage_options=options)
-    with pytest.raises(ConfigError, match=r"members and incomplete .* need group_by"):
-        RemoteDataset(root, shards="tar", incomplete="skip", storage_options=options)
+    with pytest.raises(ConfigError, match=r"need group_by or shards='tar'"):
+        RemoteDataset(root, shards="parquet", incomplete="skip", storage_options=options)
     with pytest.raises(ConfigError, match="chunks configures reading inside shards"):
         RemoteDataset(root, chunks=fastload.ChunkConfig(), storage_options=options)
 

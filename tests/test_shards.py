@@ -264,7 +264,9 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         RemoteDataset(root, shards="tar", storage_options=options)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+        dataset = RemoteDataset(  # a.jpg alone is unlike a.tar's samples: accepted here
+            root, shards="tar", on_error="skip", incomplete="accept", storage_options=options
+        )
     assert len(dataset) == 11  # a.tar's 10 and b.tar's a; b and c left out, and named
     assert "'b.jpg' is a link" in caplog.text and "'c.jpg' is a link" in caplog.text
 
@@ -279,7 +281,9 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         ShardError, match=r"sample 'b' has two members named alike: \['jpg', 'jpg'\]"
     ):
         RemoteDataset(root, shards="tar", storage_options=options)
-    dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+    dataset = RemoteDataset(
+        root, shards="tar", on_error="skip", incomplete="accept", storage_options=options
+    )
     assert dataset[10] == {"jpg": b"x", "cls": b"x"}
 
     write(root, options, {"b.tar": tar_shard(10, 10)})
@@ -293,6 +297,57 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         dataset[3]
     with pytest.raises(ConfigError, match=r"no parquet shards .*keys look like .*a\.tar"):
         RemoteDataset(root, shards="parquet", storage_options=options)
+
+
+def test_an_incomplete_tar_sample_is_named_as_for_groups(
+    gcs: FakeGcsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer stopped mid-sample leaves a shard whose last sample has its image but no label;
+    another sample carries a stray member. They were samples like any other: the missing
+    label surfaced as a KeyError in the training loop, or not at all. Now, as for groups of
+    objects, a sample whose extensions are not most samples' (or ``members=``) is named when
+    the dataset is made; incomplete="skip" leaves it out, "accept" keeps it."""
+    root = f"gs://{BUCKET}/incomplete-tar-{uuid.uuid4().hex[:8]}"
+    options = gcs.storage_options()
+    cut = io.BytesIO()
+    with tarfile.open(fileobj=cut, mode="w") as tar:
+        for n in range(20, 25):
+            body = {"npy": npy(image(n)), "cls": str(n % 3).encode()}
+            if n == 22:
+                body["txt"] = b"a note"  # one sample with a member the others lack
+            if n == 24:
+                del body["cls"]  # the writer stopped before the label
+            for ext, data in body.items():
+                info = tarfile.TarInfo(f"{key(n)}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    whole = io.BytesIO()
+    with tarfile.open(fileobj=whole, mode="w") as tar:
+        for n in range(20):
+            for ext, data in {"npy": npy(image(n)), "cls": str(n % 3).encode()}.items():
+                info = tarfile.TarInfo(f"{key(n)}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    write(root, options, {"shard-000.tar": whole.getvalue(), "shard-001.tar": cut.getvalue()})
+
+    def made(**kwargs: Any) -> RemoteDataset:
+        return RemoteDataset(root, shards="tar", storage_options=options, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"2 of 25 tar samples under .* are incomplete") as err:
+        made()
+    assert f"shard-001.tar#{key(24)}': missing ['cls']" in str(err.value)
+    assert f"shard-001.tar#{key(22)}': extra ['txt']" in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        skipped = made(incomplete="skip")
+    assert len(skipped) == 23 and "leaving out 2 incomplete tar samples" in caplog.text
+    names = [skipped.source[i].name for i in range(len(skipped))]
+    assert key(24) not in names and key(22) not in names and key(23) in names
+    assert skipped[22]["cls"] == str(23 % 3).encode()  # the samples after them are in place
+    accepted = made(incomplete="accept")
+    assert len(accepted) == 25 and set(accepted[24]) == {"npy"}
+    with pytest.raises(ConfigError, match=r"24 of 25 tar samples .* missing \['txt'\]"):
+        made(members=["npy", "cls", "txt"])  # stated members win over the usual ones
+    assert len(made(members=2, incomplete="skip")) == 23  # or their number
 
 
 def test_compressed_tar_shards_are_refused_not_left_out(

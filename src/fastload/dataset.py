@@ -283,7 +283,7 @@ class RemoteDataset(_Batched):
         callable ``key -> group``); see :mod:`fastload.sources.groups`. ``decode`` then
         receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
         ``{"*.tiff": "tiff", "*.json": my_json}``); ``incomplete`` and ``members`` say what
-        to do with a group that lacks a member.
+        to do with a group (or a tar sample) that lacks a member or has an extra one.
     shards: ``"tar"`` or ``"parquet"``: many samples inside each object, read in place (see
         :mod:`fastload.sources.tar` and :mod:`fastload.sources.parquet`): ``decode`` receives a
         tar sample's ``{extension: bytes}`` (or decodes them by pattern, as for groups) or a
@@ -390,6 +390,8 @@ class RemoteDataset(_Batched):
                 on_error=on_error,
                 row_key=row_key,
                 columns=columns,
+                incomplete=incomplete,
+                members=members,
             )
             self.manifest = shard_source.manifest  # with the shards' indexes
             if listing is not None and self.manifest is not manifest and rank_world()[0] == 0:
@@ -610,10 +612,10 @@ def _check_belongs(
     """Arguments that only one kind of source reads are refused elsewhere, never ignored."""
     if shards != "parquet" and parquet_only:
         raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
-    if group_by is None and groups_only:
+    if group_by is None and shards != "tar" and groups_only:
         raise ConfigError(
-            "members and incomplete say what each group of objects must hold: they need "
-            "group_by (without it they would be ignored)"
+            "members and incomplete say what each group of objects (or tar sample) must hold: "
+            "they need group_by or shards='tar' (without them they would be ignored)"
         )
     if shards is None and shards_only:
         raise ConfigError("chunks configures reading inside shards: it needs shards=")
@@ -649,6 +651,8 @@ def _shard_source(
     on_error: OnError,
     row_key: str | None,
     columns: Sequence[str] | None,
+    incomplete: Incomplete,
+    members: int | Sequence[str] | None,
 ) -> Shards:
     if shards == "parquet":
         return ParquetShards(
@@ -661,7 +665,15 @@ def _shard_source(
             on_error=on_error,
         )
     if shards == "tar":
-        return TarShards(manifest, fetcher, cache=cache, config=chunks, on_error=on_error)
+        return TarShards(
+            manifest,
+            fetcher,
+            cache=cache,
+            config=chunks,
+            on_error=on_error,
+            incomplete=incomplete,
+            members=members,
+        )
     raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
 
 

@@ -21,12 +21,13 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Grouping, Manifest, label_codes, read_labels
 from fastload.sources import Part, Sample, group_version, read_objects
+from fastload.sources._complete import Incomplete, check_policy, incomplete_sets
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
 __all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
@@ -34,7 +35,6 @@ __all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
 log = logging.getLogger(__name__)
 
 GroupRule = str | re.Pattern[str] | Callable[[str], str | None]
-Incomplete = Literal["raise", "skip", "accept"]
 LabelSource = Mapping[str, int | str] | str | Path | Callable[[str], int | str]
 _SHOWN = 5  # names listed in a message
 _DIGITS = re.compile(r"(\d+)")  # split keeps them: text and numbers alternate, text first
@@ -54,8 +54,7 @@ class Groups:
         label_key: str = "key",
         label_field: str = "label",
     ) -> None:
-        if incomplete not in ("raise", "skip", "accept"):
-            raise ConfigError(f"incomplete must be 'raise', 'skip' or 'accept', got {incomplete!r}")
+        check_policy(incomplete)
         self.root = manifest.root
         rule = _rule(group_by, incomplete, members)
         saved = manifest.grouping
@@ -223,13 +222,8 @@ def _check_complete(
     members: int | Sequence[str] | None,
 ) -> dict[str, list[int]]:
     roles = {g: frozenset(_role(keys[i], g) for i in idx) for g, idx in groups.items()}
-    if isinstance(members, int):
-        bad = {g: f"{len(r)} members, not {members}" for g, r in roles.items() if len(r) != members}
-    else:
-        expected = frozenset(members) if members is not None else _usual(roles)
-        if expected is None:
-            return groups  # groups differ by nature (a DICOM series per volume): no rule
-        bad = {g: _difference(r, expected) for g, r in roles.items() if r != expected}
+    why = incomplete_sets(Counter(roles.values()), members)  # none: groups differ by nature
+    bad = {g: why[r] for g, r in roles.items() if r in why}
     if not bad or incomplete == "accept":
         return groups
     shown = "; ".join(f"{g!r}: {why}" for g, why in sorted(bad.items())[:_SHOWN])
@@ -240,18 +234,6 @@ def _check_complete(
         )
     log.warning("leaving out %d incomplete groups under %s: %s", len(bad), root, shown)
     return {g: idx for g, idx in groups.items() if g not in bad}
-
-
-def _usual(roles: dict[str, frozenset[str]]) -> frozenset[str] | None:
-    """The set of roles most groups have, when most do (else None: no rule to check)."""
-    ((common, count),) = Counter(roles.values()).most_common(1)
-    return common if count * 2 > len(roles) else None
-
-
-def _difference(have: frozenset[str], expected: frozenset[str]) -> str:
-    missing, extra = sorted(expected - have), sorted(have - expected)
-    parts = ([f"missing {missing}"] if missing else []) + ([f"extra {extra}"] if extra else [])
-    return ", ".join(parts)
 
 
 def _folder(name: str) -> str:

@@ -5,6 +5,10 @@ key ``n01/000123``); ``decode`` receives ``{extension: bytes}`` (``{"jpg": ..., 
 extensions lowercased as WebDataset does),
 or decodes each member by pattern as for groups (``decode={"jpg": "image", "cls": int}``).
 
+A sample whose extensions are not most samples' (or ``members=``) is incomplete, as a group of
+objects is (:mod:`fastload.sources._complete`): ``incomplete`` says whether it is named (the
+default), left out or kept.
+
 Indexing a shard reads its headers with ranged reads that hop over large members and take small
 ones in stride (a few requests per shard of small samples); the index is kept in the dataset's
 cache by the shard's version, so a restart reads none of it again. Reading a sample checks its
@@ -18,13 +22,15 @@ import logging
 import re
 import tarfile
 import zlib
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from fastload.errors import ShardError
+from fastload.errors import ConfigError, ShardError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Strings
+from fastload.sources._complete import Incomplete, Members, check_policy, incomplete_sets
 from fastload.sources._shards import Shards
 
 __all__ = ["TarShards"]
@@ -39,6 +45,7 @@ _BASENAME = re.compile(r"^((?:.*/)?[^./][^/]*?)\.([^/]*)$")  # key: up to the fi
 # ``.DS_Store``, and WebDataset's own ``__name__`` metadata members
 _NOT_SAMPLES = re.compile(r"^(?:.*/)?(?:\.[^/]*|__[^/]*__)$")
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
+_SHOWN = 5  # samples named in a message
 _GAP = 256 << 10  # a window starting at most this far past the last starts at its end
 
 
@@ -50,7 +57,12 @@ class TarShards(Shards):
     kind = "tar"
     index_version = INDEX_VERSION
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, incomplete: Incomplete = "raise", members: Members = None, **kwargs: Any
+    ) -> None:
+        check_policy(incomplete)
+        self.incomplete, self.members = incomplete, members
+        self._left_out: frozenset[frozenset[str]] = frozenset()  # incomplete, skipped
         self._keys: list[str] = []
         self._starts: list[int] = []
         self._crcs: list[int] = []
@@ -66,11 +78,36 @@ class TarShards(Shards):
             self._seeds[shard.url] = prefix
         return index
 
+    def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """Samples whose extensions are not most samples' (or ``members``): see ``incomplete``."""
+        counts: Counter[frozenset[str]] = Counter()
+        examples: dict[frozenset[str], list[str]] = {}
+        for entry, index in indexes:
+            names = Strings(index["name_blob"], index["name_ends"]).tolist()
+            for key, members in self._samples_of(entry, names, index["size"].tolist(), True):
+                roles = frozenset(ext for ext, _ in members)
+                counts[roles] += 1
+                if len(named := examples.setdefault(roles, [])) < _SHOWN:
+                    named.append(f"{entry.url}#{key}")
+        why = incomplete_sets(counts, self.members)
+        if not why or self.incomplete == "accept":
+            return
+        bad = sum(counts[roles] for roles in why)
+        named = [f"{name!r}: {why[roles]}" for roles in why for name in examples[roles]]
+        shown = "; ".join(named[:_SHOWN])
+        if self.incomplete == "raise":
+            raise ConfigError(
+                f"{bad} of {counts.total()} tar samples under {self.root} are incomplete "
+                f"({shown}); pass incomplete='skip' to leave them out or 'accept' to keep them"
+            )
+        log.warning("leaving out %d incomplete tar samples under %s: %s", bad, self.root, shown)
+        self._left_out = frozenset(why)
+
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
         header, data, size, crc = (index[k].tolist() for k in ("header", "data", "size", "crc"))
         chunk = (-1, 0, 0)  # first sample, start, end
-        for key, members in self._samples_of(entry, names, size):
+        for key, members in self._samples_of(entry, names, size, report=False):
             start = header[members[0][1]]
             end = max(data[i] + size[i] for _, i in members)
             first, chunk_start, chunk_end = chunk
@@ -93,12 +130,15 @@ class TarShards(Shards):
             self._chunk(shard, *chunk)
 
     def _samples_of(
-        self, entry: Entry, names: list[str], sizes: list[int]
+        self, entry: Entry, names: list[str], sizes: list[int], report: bool
     ) -> list[tuple[str, list[tuple[str, int]]]]:
-        """The shard's samples: runs of members sharing a key, as (key, [(extension, member)])."""
+        """The shard's samples: runs of members sharing a key, as (key, [(extension, member)]).
+        What is wrong with a member is reported (``_bad``) when ``report`` (the first of the
+        two passes: ``_check_across``, then ``_add``)."""
+        bad = self._bad if report else _unreported
         runs: list[tuple[str, list[tuple[str, int]]]] = []
         left_out = [name for name in names if _NOT_SAMPLES.match(name)]
-        if left_out:
+        if left_out and report:
             log.info(
                 "%s: leaving out %d members that are not sample data (hidden files such as "
                 "macOS's '._' and '.DS_Store', WebDataset's '__name__' metadata), e.g. %r",
@@ -111,7 +151,7 @@ class TarShards(Shards):
                 continue
             found = _BASENAME.match(name)
             if found is None:
-                self._bad(entry, f"member {name!r} has no basename.extension to group it by")
+                bad(entry, f"member {name!r} has no basename.extension to group it by")
                 continue
             key, ext = found.groups()
             ext = ext.lower()  # as WebDataset: .JPG and .jpg are "jpg"
@@ -124,19 +164,20 @@ class TarShards(Shards):
             exts = [ext for ext, _ in members]
             links = [names[i] for _, i in members if sizes[i] < 0]
             if links:
-                self._bad(
+                bad(
                     entry,
                     f"sample {key!r}: member {links[0]!r} is a link, which holds no bytes of "
                     "its own to read in place (write the shard with links resolved: "
                     "tar --hard-dereference, or -h for symbolic links)",
                 )
             elif len(set(exts)) < len(exts):
-                self._bad(entry, f"sample {key!r} has two members named alike: {exts}")
+                bad(entry, f"sample {key!r} has two members named alike: {exts}")
             elif key in seen:  # one name, two samples: they would share a cache entry
-                self._bad(entry, f"sample {key!r} comes twice (its members are not adjacent)")
+                bad(entry, f"sample {key!r} comes twice (its members are not adjacent)")
             else:
                 seen.add(key)
-                good.append((key, members))
+                if frozenset(exts) not in self._left_out:  # incomplete, under "skip"
+                    good.append((key, members))
         return good
 
     def _name(self, index: int) -> str:
@@ -157,6 +198,10 @@ class TarShards(Shards):
             begin = at + self._offsets[m]
             out[self._exts[m]] = bytes(view[begin : begin + self._sizes[m]])
         return out
+
+
+def _unreported(shard: Entry, message: str) -> None:
+    """What ``_samples_of`` does with a member's problem when not reporting: nothing."""
 
 
 def _read_headers(
