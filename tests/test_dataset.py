@@ -255,6 +255,12 @@ def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> 
             RemoteDataset(manifest, decode="npy", **bad)
     with pytest.raises(ConfigError, match="unknown decoder 'jpeg2000'"):
         RemoteDataset(manifest, decode="jpeg2000")
+    # named before the listing, which on a large bucket takes minutes (it came after it)
+    never = "memory://never-listed/prefix"  # listing it would raise ObjectNotFoundError
+    with pytest.raises(ConfigError, match="unknown decoder 'jpeg2000'"):
+        RemoteDataset(never, decode={"jpg": "jpeg2000"})
+    with pytest.raises(ConfigError, match="shards must be 'tar' or 'parquet', got 'zip'"):
+        RemoteDataset(never, shards="zip")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="source must be a URL or a Manifest"):
         RemoteDataset(42, decode="npy")  # type: ignore[arg-type]
 

@@ -350,7 +350,14 @@ class RemoteDataset(_Batched):
         manifest_path: str | os.PathLike[str] | None = None,
         reuse_listing: bool = True,
     ) -> None:
-        _check_policies(on_error, on_change, shards, limit, cache)
+        _check_arguments(
+            on_error=on_error,
+            on_change=on_change,
+            shards=shards,
+            limit=limit,
+            cache=cache,
+            decode=decode,
+        )
         _check_belongs(
             shards=shards,
             group_by=group_by,
@@ -581,9 +588,16 @@ class RemoteDataset(_Batched):
         return sample
 
 
-def _check_policies(
-    on_error: object, on_change: object, shards: object, limit: object, cache: object
+def _check_arguments(
+    *,
+    on_error: object,
+    on_change: object,
+    shards: object,
+    limit: object,
+    cache: object,
+    decode: Any,
 ) -> None:
+    """Values that can be checked before any listing (which can take minutes)."""
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
     if on_change not in (None, "raise", "skip", "refresh"):
@@ -599,6 +613,10 @@ def _check_policies(
         raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
     if cache is not None and not isinstance(cache, Cache):
         raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
+    if shards not in (None, "tar", "parquet"):
+        raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
+    if decode is not None:
+        group_decoder(decode)  # an unknown decoder name is a ConfigError naming the known ones
 
 
 def _check_belongs(
