@@ -946,6 +946,17 @@ def test_an_order_that_reads_a_chunk_per_sample_is_named_once(
     warned = [r.getMessage() for r in caplog.records if "read a chunk again" in r.getMessage()]
     assert len(warned) == 1, warned
     assert f"{root}/train" in warned[0] and "blocks=dataset.blocks" in warned[0]
+    assert aware.counters.fetch.chunks_read_early == 0
+    assert randomly.counters.fetch.chunks_read_early >= 32
+
+    # the stall report names the cause too (a fastload.DataLoader given torch's sampler)
+    again = made()
+    sampler = torch.utils.data.RandomSampler(again)
+    loader = fastload.DataLoader(again, batch_size=8, sampler=sampler, collate_fn=list)
+    for _ in range(2):
+        assert sum(len(batch) for batch in loader) == len(again)
+    report = loader.report("all")
+    assert report.cause is not None and report.cause.startswith("shard chunks read again"), report
 
 
 def test_a_rewritten_shard_on_a_store_that_names_no_version_fails_its_header_check() -> None:

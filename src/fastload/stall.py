@@ -43,6 +43,7 @@ Hook = Callable[[dict[str, float], int], None]
 
 DATA_BOUND_ABOVE = 0.10  # share of the loop's time spent waiting that makes it data-bound
 _MISSES_MATTER = 0.2  # share of cache lookups that missed before misses are named the cause
+_EARLY_READS_MATTER = 0.25  # share of fetches re-reading chunks dropped early, named the cause
 _PREPARE_MATTERS = 0.3  # decode+transform time, as a share of the wait, named as the cause
 
 
@@ -285,6 +286,13 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         f"fetch latency p50 {fetch.latency.percentile(50) * 1e3:.0f} ms, "
         f"p99 {fetch.latency.percentile(99) * 1e3:.0f} ms, {fetch.retries} retries"
     )
+    if fetch.chunks_read_early >= _EARLY_READS_MATTER * fetch.objects > 0:
+        return (
+            f"shard chunks read again: {fetch.chunks_read_early} of {fetch.objects} reads "
+            "fetched a chunk that memory had dropped before it served a quarter of its samples "
+            "(the order is not by chunk); shuffle with fastload.DataLoader(shuffle=True) or "
+            "PermutationSampler(blocks=dataset.blocks), or raise ChunkConfig.memory_bytes"
+        )
     if lookups and cache.misses / lookups >= _MISSES_MATTER and fetch.objects:
         return (
             f"cache misses: {cache.misses / lookups:.0%} of samples were fetched remotely "

@@ -80,6 +80,9 @@ class FetchStats:
     quarantined: int = 0  # objects given up while the store answered others (see FetchConfig)
     hedges: int = 0  # duplicate requests sent for the slow tail
     hedge_wins: int = 0  # hedges that answered first
+    # shard chunks read again after memory dropped them before they served a quarter of their
+    # samples: an order that is not by chunk (see fastload.sources._chunks)
+    chunks_read_early: int = 0
     bytes: int = 0
     latency: Histogram = field(default_factory=Histogram)
 

@@ -82,13 +82,14 @@ class ChunkReader:
         load: Callable[[Chunk, bytes | memoryview], Any],
         weigh: Callable[[Any], int],
         *,
-        chunks: int = 0,
-        samples: int = 0,
+        samples: np.ndarray | None = None,
         root: str = "",
     ) -> None:
         self.memory_bytes = memory_bytes
         self._load, self._weigh = load, weigh
-        self._chunks, self._samples, self._root = chunks, samples, root
+        # the samples in each chunk (by Chunk.index), which judge the order they are read in
+        self._samples = np.zeros(0, np.int64) if samples is None else samples
+        self._root = root
         self._owner = os.getpid()
         self.shared = _scratch(memory_bytes, self._owner)
         self._setup()
@@ -100,11 +101,11 @@ class ChunkReader:
         self._sharing = True  # the scratch cache works (see _unshareable)
         self._unshared: dict[Chunk, bytes | memoryview] = {}  # seeded, not in ``shared`` yet
         self._reading: dict[Chunk, Future[Any]] = {}
-        self._read_before = np.zeros(self._chunks, dtype=bool)  # by Chunk.index
+        # by Chunk.index: samples served since the chunk was last read (-1: never read)
+        self._served = np.full(len(self._samples), -1, np.int64)
         self._warned = False
         self.reads = 0
-        self.again = 0  # reads of a chunk this process had read before (and dropped since)
-        self.served = 0  # samples served from chunks, read or kept
+        self.early = 0  # chunks read again though their last read served under a quarter
         self.hits = 0
         self.seeded = 0
 
@@ -123,7 +124,6 @@ class ChunkReader:
         ours: list[Chunk] = []
         theirs: dict[Chunk, Future[Any]] = {}
         with self._lock:
-            self.served += len(chunks)
             for chunk in dict.fromkeys(chunks):
                 if chunk in self._kept:
                     self._kept.move_to_end(chunk)
@@ -146,31 +146,32 @@ class ChunkReader:
         for chunk, future in theirs.items():
             self.hits += 1
             out[chunk] = future.exception() or future.result()
+        with self._lock:
+            for chunk in chunks:  # one per sample served
+                if 0 <= chunk.index < len(self._served) and self._served[chunk.index] >= 0:
+                    self._served[chunk.index] += 1
         if ours and not self._warned:
             self._check_order()
         return out
 
     def _check_order(self) -> None:
-        """Warn once when the order samples are asked for makes chunks be read again and again:
-        a random order over more chunks than memory holds reads a chunk for almost every
-        sample (a shard-aware order reads each chunk about once per epoch, serving all its
-        samples from that read)."""
-        per_chunk = self._samples / max(1, self._chunks)
-        if self.again < _RE_READS or self.served * _THRASH >= self.reads * per_chunk:
+        """Warn once when the order samples are asked for makes memory drop chunks before they
+        serve a quarter of their samples, then read them again: a random order over more chunks
+        than memory holds reads a chunk for almost every sample (a shard-aware order reads each
+        chunk about once per epoch, and serves all its samples from that read)."""
+        if self.early < _EARLY_READS:
             return
         self._warned = True
         log.warning(
-            "shard chunks under %s: %d of this process's %d chunk reads (chunks of about %.0f "
-            "samples) read a chunk again that memory had dropped, serving %.1f samples a read: "
-            "the samples are not asked for chunk by chunk, so nearly every sample costs a "
-            "chunk's read. Shuffle with fastload.DataLoader(shuffle=True) or "
-            "fastload.PermutationSampler(len(dataset), blocks=dataset.blocks), or raise "
-            "ChunkConfig.memory_bytes (now %d) to hold every chunk",
+            "shard chunks under %s: %d of this process's %d chunk reads read a chunk again that "
+            "memory had dropped before it served a quarter of its samples: the samples are not "
+            "asked for chunk by chunk, so nearly every sample costs a chunk's read. Shuffle "
+            "with fastload.DataLoader(shuffle=True) or fastload.PermutationSampler(len(dataset), "
+            "blocks=dataset.blocks), or raise ChunkConfig.memory_bytes (now %d) to hold every "
+            "chunk",
             self._root,
-            self.again,
+            self.early,
             self.reads,
-            per_chunk,
-            self.served / max(1, self.reads),
             self.memory_bytes,
         )
 
@@ -182,7 +183,9 @@ class ChunkReader:
         ]
         with self._lock:
             self.reads += len(chunks)
-            self.again += sum(self._mark_read(chunk) for chunk in chunks)
+            early = sum(self._mark_read(chunk) for chunk in chunks)
+            self.early += early
+        fetcher.counters.chunks_read_early += early
         bodies = iter(fetcher.fetch(requests, return_exceptions=True, buffers=True))
         return [_joined([next(bodies) for _ in c.ranges]) for c in chunks]
 
@@ -227,12 +230,13 @@ class ChunkReader:
                 self.seeded += 1
 
     def _mark_read(self, chunk: Chunk) -> bool:
-        """Note that this process has read ``chunk`` (under the lock); whether it had before."""
-        if not 0 <= chunk.index < len(self._read_before):
+        """Note that this process has read ``chunk`` (under the lock); whether it read it
+        before and that read served under a quarter of its samples (see :meth:`_check_order`)."""
+        if not 0 <= chunk.index < len(self._served):
             return False
-        before = bool(self._read_before[chunk.index])
-        self._read_before[chunk.index] = True
-        return before
+        served = int(self._served[chunk.index])
+        self._served[chunk.index] = 0
+        return served >= 0 and served * _EARLY < self._samples[chunk.index]
 
     def _share_seeds(self) -> None:
         """Put the seeded chunks still kept into ``shared`` (once each), for the workers."""
@@ -281,9 +285,9 @@ class ChunkReader:
             self._unshared.pop(gone, None)  # held no longer: not to be shared either
 
 
-_PICKLED = ("memory_bytes", "_load", "_weigh", "shared", "_owner", "_chunks", "_samples", "_root")
-_RE_READS = 32  # chunks read again before the order is judged
-_THRASH = 4  # a read serving under a quarter of a chunk's samples: the order is not by chunk
+_PICKLED = ("memory_bytes", "_load", "_weigh", "shared", "_owner", "_samples", "_root")
+_EARLY = 4  # a chunk dropped before serving a quarter of its samples was dropped early
+_EARLY_READS = 32  # chunks read again after an early drop before the order is named
 
 
 def _joined(bodies: list[Any]) -> Any:

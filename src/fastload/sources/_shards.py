@@ -101,8 +101,7 @@ class Shards:
             self.config.memory_bytes,
             self._load,
             self._weigh,
-            chunks=len(self._chunks),
-            samples=self._count,
+            samples=np.asarray([self._samples_in(c) for c in range(len(self._chunks))]),
             root=self.root,
         )
         for chunk in self._chunks:
