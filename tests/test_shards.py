@@ -957,6 +957,7 @@ def test_an_order_that_reads_a_chunk_per_sample_is_named_once(
         assert sum(len(batch) for batch in loader) == len(again)
     report = loader.report("all")
     assert report.cause is not None and report.cause.startswith("shard chunks read again"), report
+    assert report.samples == 2 * len(again)  # lists of dict samples: not their arrays' rows
 
 
 def test_a_rewritten_shard_on_a_store_that_names_no_version_fails_its_header_check() -> None:

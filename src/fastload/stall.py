@@ -48,9 +48,13 @@ _PREPARE_MATTERS = 0.3  # decode+transform time, as a share of the wait, named a
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor or array (1 for a scalar)."""
+    """Samples in a batch: the leading size of its first tensor or array (1 for a scalar), or
+    the length of a list of dict samples (``collate_fn=list`` over tar, parquet or group
+    samples: torch's collation never makes one; their first array is one sample's)."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(s, Mapping) for s in batch):
+        return len(batch)
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
