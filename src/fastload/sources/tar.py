@@ -84,7 +84,8 @@ class TarShards(Shards):
         examples: dict[frozenset[str], list[str]] = {}
         for entry, index in indexes:
             names = Strings(index["name_blob"], index["name_ends"]).tolist()
-            for key, members in self._samples_of(entry, names, index["size"].tolist(), True):
+            sizes = index["size"].tolist()
+            for key, members in self._samples_of(entry, names, sizes, report=True):
                 roles = frozenset(ext for ext, _ in members)
                 counts[roles] += 1
                 if len(named := examples.setdefault(roles, [])) < _SHOWN:
