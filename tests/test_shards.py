@@ -346,8 +346,10 @@ def test_an_incomplete_tar_sample_is_named_as_for_groups(
     accepted = made(incomplete="accept")
     assert len(accepted) == 25 and set(accepted[24]) == {"npy"}
     with pytest.raises(ConfigError, match=r"24 of 25 tar samples .* missing \['txt'\]"):
-        made(members=["npy", "cls", "txt"])  # stated members win over the usual ones
+        made(members=["NPY", ".cls", "txt"])  # stated members win over the usual ones
     assert len(made(members=2, incomplete="skip")) == 23  # or their number
+    with pytest.raises(ConfigError, match="members must be a count >= 1 or a list"):
+        made(members="npy")  # a string would be taken letter by letter
 
 
 def test_compressed_tar_shards_are_refused_not_left_out(

@@ -22,9 +22,24 @@ Incomplete = Literal["raise", "skip", "accept"]
 Members = int | Sequence[str] | None
 
 
-def check_policy(incomplete: object) -> None:
+def check_policy(incomplete: object, members: object) -> None:
+    """``incomplete`` is a policy; ``members`` a count >= 1, a list of roles, or None."""
     if incomplete not in ("raise", "skip", "accept"):
         raise ConfigError(f"incomplete must be 'raise', 'skip' or 'accept', got {incomplete!r}")
+    if not (members is None or _count(members) or _roles(members)):
+        raise ConfigError(
+            f"members must be a count >= 1 or a list of member names, got {members!r}"
+        )
+
+
+def _count(members: object) -> bool:
+    return isinstance(members, int) and not isinstance(members, bool) and members >= 1
+
+
+def _roles(members: object) -> bool:
+    if not isinstance(members, Sequence) or isinstance(members, str):
+        return False  # a string would be taken letter by letter
+    return all(isinstance(role, str) and role for role in members)
 
 
 def incomplete_sets(counts: Counter[frozenset[str]], members: Members) -> dict[frozenset[str], str]:

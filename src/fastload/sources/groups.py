@@ -54,7 +54,7 @@ class Groups:
         label_key: str = "key",
         label_field: str = "label",
     ) -> None:
-        check_policy(incomplete)
+        check_policy(incomplete, members)
         self.root = manifest.root
         rule = _rule(group_by, incomplete, members)
         saved = manifest.grouping

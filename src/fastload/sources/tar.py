@@ -60,7 +60,9 @@ class TarShards(Shards):
     def __init__(
         self, *args: Any, incomplete: Incomplete = "raise", members: Members = None, **kwargs: Any
     ) -> None:
-        check_policy(incomplete)
+        check_policy(incomplete, members)
+        if members is not None and not isinstance(members, int):  # extensions are lowercased
+            members = [str(ext).lower().lstrip(".") for ext in members]
         self.incomplete, self.members = incomplete, members
         self._left_out: frozenset[frozenset[str]] = frozenset()  # incomplete, skipped
         self._keys: list[str] = []
