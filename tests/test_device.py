@@ -25,7 +25,7 @@ from fastload import (
     RemoteDataset,
     UnsupportedSampleError,
 )
-from fastload.stall import DATA_BOUND_ABOVE, StallReport
+from fastload.stall import DATA_BOUND_ABOVE, StallReport, batch_size_of
 from fastload.testing import FaultProxy, Faults, S3Server, free_port
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
@@ -70,6 +70,22 @@ def test_cpu_passes_batches_through_with_conversions() -> None:
     assert half["img"].dtype == torch.bfloat16 and half["label"].dtype == torch.int64
     assert half["img"].is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(half["img"].float(), batch["img"].bfloat16().float())
+
+
+def test_batches_count_their_samples_whatever_the_collation() -> None:
+    """The report's samples/s counts samples: a list of samples as they are (collate_fn=list
+    over dict or (sample, label) samples) was counted by its first array's rows (64 per batch
+    of 8 here), and so was a detection-style tuple(zip(*samples))."""
+    image = np.zeros((64, 80), np.uint16)
+    samples = [({"npy": image, "cls": 1}, 3)] * 8
+    collated = torch.utils.data.default_collate([(torch.zeros(3, 64, 80), 1)] * 8)
+    assert batch_size_of(collated) == 8  # torch's: [images (8 x ...), labels (8)]
+    assert batch_size_of(torch.utils.data.default_collate([{"x": image}] * 8)) == 8
+    assert batch_size_of([sample for sample, _ in samples]) == 8  # dict samples, as they are
+    assert batch_size_of(samples) == 8  # (sample, label) pairs
+    assert batch_size_of(tuple(zip(*samples, strict=True))) == 8  # ((samples...), (labels...))
+    assert batch_size_of([image] * 8) == 8  # numpy samples, as they are
+    assert batch_size_of([torch.zeros(8, 3), torch.zeros(8)]) == 8  # tensors: batched fields
 
 
 def test_bad_input_is_named() -> None:

@@ -48,13 +48,21 @@ _PREPARE_MATTERS = 0.3  # decode+transform time, as a share of the wait, named a
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor or array (1 for a scalar), or
-    the length of a list of dict samples (``collate_fn=list`` over tar, parquet or group
-    samples: torch's collation never makes one; their first array is one sample's)."""
+    """Samples in a batch: the leading size of its first tensor or array (1 for a scalar), as
+    torch's collation makes them. Batches of samples as they are, which torch's collation never
+    makes (their first array is one sample's): a list of dict, tuple or numpy samples
+    (``collate_fn=list``; torch's collation gives tensors) holds ``len`` of them, a tuple of
+    tuples (``tuple(zip(*samples))``, as torchvision's detection examples collate) ``len`` of
+    its first."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, (list, tuple)) and batch and all(isinstance(s, Mapping) for s in batch):
-        return len(batch)
+    if isinstance(batch, (list, tuple)) and batch:
+        if all(isinstance(s, Mapping) for s in batch) or (
+            isinstance(batch, list) and all(isinstance(s, (tuple, np.ndarray)) for s in batch)
+        ):
+            return len(batch)
+        if isinstance(batch, tuple) and all(isinstance(field, tuple) for field in batch):
+            return len(batch[0])
     if isinstance(batch, Mapping):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
