@@ -16,7 +16,7 @@ from typing import Literal
 
 from fastload.errors import ConfigError
 
-__all__ = ["Incomplete", "check_policy", "incomplete_sets"]
+__all__ = ["Incomplete", "Members", "check_policy", "incomplete_sets"]
 
 Incomplete = Literal["raise", "skip", "accept"]
 Members = int | Sequence[str] | None
