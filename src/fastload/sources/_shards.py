@@ -65,15 +65,10 @@ class Shards:
             log.info(
                 "%s: %d objects are not %s shards", self.root, len(manifest) - len(found), self.kind
             )
-        self.shards: list[Entry] = []
         # bytes that indexing read from the start of a shard, by URL: they seed the chunk
         # memory, so a shard of small members (read whole to be indexed) is not read again
         self._seeds: dict[str, bytes | memoryview] = {}
         self._seed_limit = self.config.memory_bytes // max(1, len(found))
-        self._chunks: list[Chunk] = []
-        self._chunk_shard: list[int] = []
-        self._firsts: list[int] = []
-        self._count = 0
         saved = manifest.shard_indexes
         stored = {} if saved is None else saved.lookup(self.index_version)
         indexes: list[tuple[Entry, dict[str, np.ndarray]]] = []
@@ -83,9 +78,7 @@ class Shards:
             else:
                 indexes.append((entry, index))
         self._check_across(indexes)
-        for entry, index in indexes:
-            self.shards.append(entry)
-            self._add(len(self.shards) - 1, entry, index)
+        self._add_all(indexes)
         if all((entry.key, entry.version) in stored for entry, _ in indexes):
             self.manifest = manifest
         else:  # saving this manifest saves the indexes: a restart (or another host) reads none
@@ -120,6 +113,17 @@ class Shards:
 
     def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
         """What only all the shards' indexes together can show to be wrong (before ``_add``)."""
+
+    def _add_all(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """The samples and chunks of every shard, in order (``_add`` each), from none."""
+        self.shards: list[Entry] = []
+        self._chunks: list[Chunk] = []
+        self._chunk_shard: list[int] = []
+        self._firsts: list[int] = []
+        self._count = 0
+        for entry, index in indexes:
+            self.shards.append(entry)
+            self._add(len(self.shards) - 1, entry, index)
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         raise NotImplementedError

@@ -65,13 +65,7 @@ class TarShards(Shards):
             members = [str(ext).lower().lstrip(".") for ext in members]
         self.incomplete, self.members = incomplete, members
         self._left_out: frozenset[frozenset[str]] = frozenset()  # incomplete, skipped
-        self._keys: list[str] = []
-        self._starts: list[int] = []
-        self._crcs: list[int] = []
-        self._exts: list[str] = []
-        self._offsets: list[int] = []
-        self._sizes: list[int] = []
-        self._first_member: list[int] = [0]
+        self._reporting = True  # what is wrong with a member is reported (the first pass)
         super().__init__(*args, **kwargs)
 
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
@@ -80,37 +74,54 @@ class TarShards(Shards):
             self._seeds[shard.url] = prefix
         return index
 
-    def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
-        """Samples whose extensions are not most samples' (or ``members``): see ``incomplete``."""
-        counts: Counter[frozenset[str]] = Counter()
-        examples: dict[frozenset[str], list[str]] = {}
-        for entry, index in indexes:
-            names = Strings(index["name_blob"], index["name_ends"]).tolist()
-            sizes = index["size"].tolist()
-            for key, members in self._samples_of(entry, names, sizes, report=True):
-                roles = frozenset(ext for ext, _ in members)
-                counts[roles] += 1
-                if len(named := examples.setdefault(roles, [])) < _SHOWN:
-                    named.append(f"{entry.url}#{key}")
-        why = incomplete_sets(counts, self.members)
+    def _add_all(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """Every shard's samples, counting each set of extensions; under incomplete="skip",
+        made again without the incomplete ones when there are any (see ``incomplete``)."""
+        self._start_samples()
+        super()._add_all(indexes)
+        left_out = self._incomplete()
+        if left_out:
+            self._left_out, self._reporting = left_out, False
+            self._start_samples()
+            super()._add_all(indexes)
+
+    def _start_samples(self) -> None:
+        self._keys: list[str] = []
+        self._starts: list[int] = []
+        self._crcs: list[int] = []
+        self._exts: list[str] = []
+        self._offsets: list[int] = []
+        self._sizes: list[int] = []
+        self._first_member: list[int] = [0]
+        self._roles: Counter[frozenset[str]] = Counter()  # samples by their extensions
+        self._examples: dict[frozenset[str], list[str]] = {}
+
+    def _incomplete(self) -> frozenset[frozenset[str]]:
+        """The sets of extensions that make a sample incomplete, to leave out (``"skip"``);
+        ``"raise"`` names them instead, ``"accept"`` keeps them."""
+        why = incomplete_sets(self._roles, self.members)
         if not why or self.incomplete == "accept":
-            return
-        bad = sum(counts[roles] for roles in why)
-        named = [f"{name!r}: {why[roles]}" for roles in why for name in examples[roles]]
+            return frozenset()
+        bad = sum(self._roles[roles] for roles in why)
+        named = [f"{name!r}: {why[roles]}" for roles in why for name in self._examples[roles]]
         shown = "; ".join(named[:_SHOWN])
         if self.incomplete == "raise":
             raise ConfigError(
-                f"{bad} of {counts.total()} tar samples under {self.root} are incomplete "
+                f"{bad} of {self._roles.total()} tar samples under {self.root} are incomplete "
                 f"({shown}); pass incomplete='skip' to leave them out or 'accept' to keep them"
             )
         log.warning("leaving out %d incomplete tar samples under %s: %s", bad, self.root, shown)
-        self._left_out = frozenset(why)
+        return frozenset(why)
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
         header, data, size, crc = (index[k].tolist() for k in ("header", "data", "size", "crc"))
         chunk = (-1, 0, 0)  # first sample, start, end
-        for key, members in self._samples_of(entry, names, size, report=False):
+        for key, members in self._samples_of(entry, names, size):
+            roles = frozenset(ext for ext, _ in members)
+            self._roles[roles] += 1
+            if len(named := self._examples.setdefault(roles, [])) < _SHOWN:
+                named.append(f"{entry.url}#{key}")
             start = header[members[0][1]]
             end = max(data[i] + size[i] for _, i in members)
             first, chunk_start, chunk_end = chunk
@@ -133,11 +144,11 @@ class TarShards(Shards):
             self._chunk(shard, *chunk)
 
     def _samples_of(
-        self, entry: Entry, names: list[str], sizes: list[int], report: bool
+        self, entry: Entry, names: list[str], sizes: list[int]
     ) -> list[tuple[str, list[tuple[str, int]]]]:
         """The shard's samples: runs of members sharing a key, as (key, [(extension, member)]).
-        What is wrong with a member is reported (``_bad``) when ``report`` (the first of the
-        two passes: ``_check_across``, then ``_add``)."""
+        What is wrong with a member is reported (``_bad``) in the first pass only."""
+        report = self._reporting
         bad = self._bad if report else _unreported
         runs: list[tuple[str, list[tuple[str, int]]]] = []
         left_out = [name for name in names if _NOT_SAMPLES.match(name)]
