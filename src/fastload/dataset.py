@@ -361,6 +361,7 @@ class RemoteDataset(_Batched):
         _check_belongs(
             shards=shards,
             group_by=group_by,
+            labels=labels,
             parquet_only=row_key is not None or columns is not None,
             groups_only=members is not None or incomplete != "raise",
             shards_only=chunks is not None,
@@ -383,11 +384,6 @@ class RemoteDataset(_Batched):
         self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
         self.source: SampleSource
         if shards is not None:
-            if group_by is not None or labels is not None:
-                raise ConfigError(
-                    "shards= reads samples from inside shards: group_by and labels "
-                    "do not apply (a tar sample's label is one of its members)"
-                )
             shard_source = _shard_source(
                 shards,
                 manifest,
@@ -623,11 +619,17 @@ def _check_belongs(
     *,
     shards: object,
     group_by: object,
+    labels: object,
     parquet_only: bool,
     groups_only: bool,
     shards_only: bool,
 ) -> None:
     """Arguments that only one kind of source reads are refused elsewhere, never ignored."""
+    if shards is not None and (group_by is not None or labels is not None):
+        raise ConfigError(
+            "shards= reads samples from inside shards: group_by and labels "
+            "do not apply (a tar sample's label is one of its members)"
+        )
     if shards != "parquet" and parquet_only:
         raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
     if group_by is None and shards != "tar" and groups_only:

@@ -82,14 +82,13 @@ class ChunkReader:
         load: Callable[[Chunk, bytes | memoryview], Any],
         weigh: Callable[[Any], int],
         *,
-        samples: np.ndarray | None = None,
-        root: str = "",
+        samples: np.ndarray,
+        root: str,
     ) -> None:
         self.memory_bytes = memory_bytes
         self._load, self._weigh = load, weigh
         # the samples in each chunk (by Chunk.index), which judge the order they are read in
-        self._samples = np.zeros(0, np.int64) if samples is None else samples
-        self._root = root
+        self._samples, self._root = samples, root
         self._owner = os.getpid()
         self.shared = _scratch(memory_bytes, self._owner)
         self._setup()
@@ -148,7 +147,7 @@ class ChunkReader:
             out[chunk] = future.exception() or future.result()
         with self._lock:
             for chunk in chunks:  # one per sample served
-                if 0 <= chunk.index < len(self._served) and self._served[chunk.index] >= 0:
+                if self._served[chunk.index] >= 0:
                     self._served[chunk.index] += 1
         if ours and not self._warned:
             self._check_order()
@@ -232,8 +231,6 @@ class ChunkReader:
     def _mark_read(self, chunk: Chunk) -> bool:
         """Note that this process has read ``chunk`` (under the lock); whether it read it
         before and that read served under a quarter of its samples (see :meth:`_check_order`)."""
-        if not 0 <= chunk.index < len(self._served):
-            return False
         served = int(self._served[chunk.index])
         self._served[chunk.index] = 0
         return served >= 0 and served * _EARLY < self._samples[chunk.index]

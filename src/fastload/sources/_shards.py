@@ -94,7 +94,7 @@ class Shards:
             self.config.memory_bytes,
             self._load,
             self._weigh,
-            samples=np.asarray([self._samples_in(c) for c in range(len(self._chunks))]),
+            samples=np.diff(self.blocks, append=self._count),
             root=self.root,
         )
         for chunk in self._chunks:
