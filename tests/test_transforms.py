@@ -184,6 +184,30 @@ def test_resize_nearest_keeps_labels_exact_and_their_type() -> None:
         Resize((4, 4))({"image": mask, "mask": mask})
 
 
+def test_resize_antialiases_a_shrink_of_images_and_volumes() -> None:
+    """A 16-bit image of thin bright lines (one row in 8) shrunk 4x: plain bilinear samples
+    between rows that are all dark and returns black, losing the lines and the image's mean;
+    the default antialias averages what each output pixel covers, as torchvision and PIL do.
+    A volume's depth axis is antialiased too, and growing matches torch's trilinear."""
+    image = np.zeros((1, 64, 64), np.uint16)
+    image[:, 3::8, :] = 60000
+    assert float(Resize((16, 16), antialias=False)(image).max()) == 0.0  # the lines are gone
+    shrunk = Resize((16, 16))(image)
+    assert float(shrunk.min()) > 5000  # every output row covers some of a line
+    assert float(shrunk.mean()) == pytest.approx(float(image.mean()), rel=0.02)  # 7,500
+    volume = np.zeros((64, 8, 8), np.float32)
+    volume[3::8] = 1.0  # one bright slice in 8
+    assert float(Resize((16, 8, 8), antialias=False)(volume).max()) == 0.0
+    assert float(Resize((16, 8, 8))(volume).mean()) == pytest.approx(0.125, rel=0.02)
+    small = torch.rand(2, 5, 7, 9)
+    grown = Resize((10, 14, 18))(small)
+    expected = torch.nn.functional.interpolate(small[None], (10, 14, 18), mode="trilinear")[0]
+    assert torch.allclose(grown, expected, atol=1e-6)
+    assert Resize((4, 4)).fingerprint != Resize((4, 4), antialias=False).fingerprint
+    with pytest.raises(ConfigError, match="antialias must be a bool"):
+        Resize((4, 4), antialias="yes")  # type: ignore[arg-type]
+
+
 def test_quantile_normalize_leaves_a_masked_background_out() -> None:
     """A volume whose background is NaN (skull-stripped, masked): np.percentile gave NaN
     percentiles, so every voxel came out NaN. The NaNs are now left out of the estimate and
