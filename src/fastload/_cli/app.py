@@ -195,7 +195,10 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         str | None, typer.Option(help="Regex whose first group names a sample's group.")
     ] = None,
     incomplete: Annotated[
-        str, typer.Option(help="Groups missing a member: raise, skip or accept.")
+        str,
+        typer.Option(
+            help="Groups (--group-by) or tar samples missing a member: raise, skip or accept."
+        ),
     ] = "raise",
     shards: Annotated[
         str | None,
