@@ -204,6 +204,9 @@ def test_resize_antialiases_a_shrink_of_images_and_volumes() -> None:
     expected = torch.nn.functional.interpolate(small[None], (10, 14, 18), mode="trilinear")[0]
     assert torch.allclose(grown, expected, atol=1e-6)
     assert Resize((4, 4)).fingerprint != Resize((4, 4), antialias=False).fingerprint
+    with pytest.raises(ConfigError, match=r"each axis, e\.g\. \(224, 224\).*shorter side"):
+        Resize(224)  # type: ignore[arg-type]  # torchvision's meaning, refused with the why
+    assert Resize([16, 16]).size == (16, 16)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="antialias must be a bool"):
         Resize((4, 4), antialias="yes")  # type: ignore[arg-type]
 

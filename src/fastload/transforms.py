@@ -327,6 +327,14 @@ class Resize(_Params):
     antialias: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.size, int):  # torchvision's Resize(224)
+            raise ConfigError(
+                f"Resize.size is the size of each axis, e.g. ({self.size}, {self.size}); "
+                f"Resize({self.size}) (torchvision's: the shorter side to {self.size}, the aspect "
+                "kept) would give samples of different shapes, which cannot be batched"
+            )
+        if isinstance(self.size, list):
+            object.__setattr__(self, "size", tuple(self.size))
         ok = len(self.size) in (2, 3) and all(type(n) is int and n > 0 for n in self.size)
         if not ok:
             raise ConfigError(f"Resize.size must be 2 or 3 positive ints, got {self.size!r}")
