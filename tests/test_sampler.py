@@ -228,11 +228,24 @@ def test_a_block_mode_state_saved_by_the_strided_version_resumes_as_a_prefix() -
         ({"n": 10, "world_size": 0}, "world_size"),
         ({"n": 10, "block_size": 0}, "block_size"),
         ({"n": 10, "window": 0}, "window"),
+        ({"n": 10, "window": 2.5}, "window"),
+        ({"n": 10, "seed": "a"}, "seed"),
+        ({"n": 10, "seed": None}, "seed"),
+        ({"n": 10, "seed": 1.5}, "seed"),
+        ({"n": 10, "seed": 2**64}, "seed"),  # masked to 64 bits, it was seed 0's order
+        ({"n": 10, "world_size": True}, "world_size"),
     ],
 )
-def test_bad_arguments_name_the_field(kwargs: dict[str, int], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        PermutationSampler(**kwargs)
+def test_bad_arguments_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    """Each a ConfigError naming the argument when the sampler is made; a seed that is not an
+    int failed with a bare TypeError at the first iteration, and one past 64 bits gave another
+    seed's order without a word."""
+    with pytest.raises(ConfigError, match=f"{field} must be an int"):
+        PermutationSampler(**kwargs)  # type: ignore[arg-type]
+    sampler = PermutationSampler(10, seed=np.int64(-3))  # numpy ints and negative seeds are fine
+    assert sorted(sampler) == list(range(10)) and list(sampler) != list(PermutationSampler(10))
+    with pytest.raises(ConfigError, match="epoch must be an int >= 0, got '2'"):
+        sampler.set_epoch("2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,18 @@ _CHUNK = 1 << 16  # positions per vectorised step: cache-sized
 _FIRST_CHUNK = 256  # the first index must come fast (and so must a resume)
 _STATE_VERSION = 1
 _MAX_N = 1 << 62  # positions and indices are int64, padded positions up to 2n
+_SEEDS = 1 << 63  # seeds in [-2**63, 2**63): each a distinct 64-bit key (no two collide)
 _STATE_FIELDS = ("n", "seed", "shuffle", "block_size", "window", "epoch", "position")
+
+
+def _checked_int(what: str, value: object, low: int, high: int = _MAX_N) -> int:
+    """``value`` as an int in ``[low, high)``; a ConfigError naming ``what`` for anything else
+    (a float, a string or a bool would fail later, a seed past 64 bits collide with another)."""
+    number = None if isinstance(value, bool) or not isinstance(value, int | np.integer) else value
+    if number is None or not low <= number < high:
+        bound = f">= {low}" if high == _MAX_N else f"in [{low}, {high})"
+        raise ConfigError(f"PermutationSampler: {what} must be an int {bound}, got {value!r}")
+    return int(number)
 
 
 def _splitmix64(value: int) -> int:
@@ -193,19 +204,15 @@ class PermutationSampler(Sampler[int]):
     ) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _MAX_N:
             raise ConfigError(f"PermutationSampler: n must be an int in [0, 2**62), got {n!r}")
+        seed = _checked_int("seed", seed, -_SEEDS, _SEEDS)
         default_rank, default_world = rank_world()
-        world_size = default_world if world_size is None else world_size
-        rank = default_rank if rank is None else rank
-        if world_size < 1:
-            raise ConfigError(f"PermutationSampler: world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ConfigError(
-                f"PermutationSampler: rank must be in [0, world_size={world_size}), got {rank}"
-            )
-        if block_size is not None and block_size < 1:
-            raise ConfigError(f"PermutationSampler: block_size must be >= 1, got {block_size}")
-        if window < 1:
-            raise ConfigError(f"PermutationSampler: window must be >= 1, got {window}")
+        world_size = _checked_int(
+            "world_size", default_world if world_size is None else world_size, 1
+        )
+        rank = _checked_int("rank", default_rank if rank is None else rank, 0, world_size)
+        if block_size is not None:
+            block_size = _checked_int("block_size", block_size, 1)
+        window = _checked_int("window", window, 1)
         self.blocks = None if blocks is None else _checked_blocks(blocks, n, block_size)
         self._block_layout: tuple[int, Indices, Indices] | None = None  # (epoch, order, ends)
         self.n, self.shuffle, self.seed = n, shuffle, seed
@@ -219,6 +226,7 @@ class PermutationSampler(Sampler[int]):
     # -- epochs and layout -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch``. Setting the current epoch again keeps a resume point."""
+        epoch = _checked_int("epoch", epoch, 0)
         self._epoch_chosen = True
         if epoch != self.epoch:
             self.epoch = epoch
