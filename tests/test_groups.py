@@ -261,6 +261,16 @@ def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
         RemoteDataset(root, shards="parquet", incomplete="skip", storage_options=options)
     with pytest.raises(ConfigError, match="chunks configures reading inside shards"):
         RemoteDataset(root, chunks=fastload.ChunkConfig(), storage_options=options)
+    # wrong types are named (a TypeError or ValueError from dict() or open() they were), and
+    # storage options given as pairs are not echoed: they hold the credentials
+    pairs = list(options.items())
+    with pytest.raises(ConfigError, match=r"storage_options must be a mapping.*got a list") as bad:
+        RemoteDataset(root, group_by=r"(.*)_ch\d", decode="tiff", storage_options=pairs)
+    assert all(str(value) not in str(bad.value) for _, value in pairs)
+    with pytest.raises(ConfigError, match="storage_options must be a mapping"):
+        fastload.Manifest.build(root, storage_options="endpoint_url=x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"labels must be a mapping .* got 5"):
+        RemoteDataset(root, labels=5, storage_options=options)  # type: ignore[arg-type]
 
 
 def test_warm_cache_cli_with_groups_then_training_reads_only_the_cache(

@@ -45,6 +45,7 @@ from fastload.sources.parquet import ParquetShards
 from fastload.sources.single import SingleObjects
 from fastload.sources.tar import TarShards
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
+from fastload.stores import storage_options_of
 from fastload.transforms import decoder, fingerprint, state_print, versioned
 
 __all__ = ["CachedDataset", "RemoteDataset"]
@@ -350,6 +351,7 @@ class RemoteDataset(_Batched):
         manifest_path: str | os.PathLike[str] | None = None,
         reuse_listing: bool = True,
     ) -> None:
+        storage_options = storage_options_of(storage_options)
         _check_arguments(
             on_error=on_error,
             on_change=on_change,
@@ -357,6 +359,7 @@ class RemoteDataset(_Batched):
             limit=limit,
             cache=cache,
             decode=decode,
+            labels=labels,
         )
         _check_belongs(
             shards=shards,
@@ -429,7 +432,7 @@ class RemoteDataset(_Batched):
         self.cache = cache
         self.on_error = on_error
         self.on_change: OnChange = on_change or on_error
-        self._storage_options = dict(storage_options or {})
+        self._storage_options = storage_options
         self._fresh: dict[int, Sample] = {}  # samples refreshed to their objects' new versions
         self.fingerprint = f"{fingerprint(self.decode)}|{fingerprint(transform)}"
         if self.source.reader_version:  # a fixed reader makes its samples again
@@ -592,8 +595,14 @@ def _check_arguments(
     limit: object,
     cache: object,
     decode: Any,
+    labels: object,
 ) -> None:
     """Values that can be checked before any listing (which can take minutes)."""
+    if labels is not None and not isinstance(labels, Mapping | str | os.PathLike | Callable):
+        raise ConfigError(
+            "labels must be a mapping of key to label, a CSV or JSON file's path, 'folders' or "
+            f"a callable key -> label, got {labels!r}"
+        )
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
     if on_change not in (None, "raise", "skip", "refresh"):

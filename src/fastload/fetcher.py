@@ -30,6 +30,7 @@ from fastload.stores import (
     Suffix,
     open_store,
     parse_url,
+    storage_options_of,
     translate,
 )
 from fastload.stores._base import Patience
@@ -115,7 +116,7 @@ class Fetcher:
         storage_options: Mapping[str, Any] | None = None,
         config: FetchConfig | None = None,
     ) -> None:
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options_of(storage_options)
         self.config = config or FetchConfig.from_env()
         self.counters = FetchStats()
         self._last_ok = 0.0  # when the latest attempt that succeeded was sent (time.monotonic)

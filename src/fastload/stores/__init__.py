@@ -42,6 +42,7 @@ __all__ = [
     "filesystem",
     "open_store",
     "parse_url",
+    "storage_options_of",
     "translate",
 ]
 
@@ -114,6 +115,21 @@ def parse_url(url: str | os.PathLike[str]) -> StoreURL:
 _filesystems: PerProcess[tuple[str, str], AbstractFileSystem] = PerProcess("filesystems")
 
 
+def storage_options_of(storage_options: object) -> dict[str, Any]:
+    """``storage_options`` as a dict of its own: a mapping of option names, or None for none;
+    anything else is a :class:`ConfigError` (``dict()`` of a list or a string fails obscurely)."""
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, Mapping) or not all(
+        isinstance(name, str) for name in storage_options
+    ):
+        raise ConfigError(
+            "storage_options must be a mapping of option names (strings) to values, as "
+            f"fsspec takes (e.g. {{'endpoint_url': ...}}), got a {type(storage_options).__name__}"
+        )  # its values are not shown: they may hold credentials
+    return dict(storage_options)
+
+
 def _options_key(options: Mapping[str, Any]) -> str:
     return json.dumps(dict(options), sort_keys=True, default=repr)
 
@@ -126,7 +142,7 @@ def filesystem(
     In a forked child the cache starts empty, so no connection pool crosses a fork.
     """
     parsed = url if isinstance(url, StoreURL) else parse_url(url)
-    options = dict(storage_options or {})
+    options = storage_options_of(storage_options)
     key = (parsed.scheme, _options_key(options))
     return _filesystems.get(key, lambda: _create(parsed.scheme, options))
 
@@ -143,7 +159,7 @@ def open_store(
     downloads and pages for ``b2://``, else the filesystem itself (``threads`` wide when it
     blocks)."""
     if url.scheme == "s3" and fast_path:
-        options = dict(storage_options or {})
+        options = storage_options_of(storage_options)
         general = partial(_s3fs_store, url, options, threads)
         return ObstoreStore(general, options, _options_key(options))
     fs = filesystem(url, storage_options)
