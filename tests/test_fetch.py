@@ -272,6 +272,10 @@ def test_stats_snapshot_reports_latency_percentiles(tmp_path: Path) -> None:
 def test_bad_items_and_config_are_typed_errors() -> None:
     with pytest.raises(ConfigError, match="fetch expects URLs"):
         Fetcher().fetch([42])  # type: ignore[list-item]
+    with pytest.raises(
+        ConfigError, match=r"a list of URLs or Requests, got one: pass \['s3://b/k'\]"
+    ):
+        fetch("s3://b/k")  # type: ignore[arg-type]  # it was read as one URL per character
     with pytest.raises(ConfigError, match=r"FetchConfig\.concurrency must be >= 1, got 0"):
         FetchConfig(concurrency=0)
     with pytest.raises(ConfigError, match=r"FetchConfig\.hedge_after"):

@@ -40,6 +40,9 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert loaded[-1].url == "s3://bucket/data/class0/img_0009999.jpg"
     assert loaded.labels is not None and loaded.labels.tolist() == manifest.labels.tolist()  # type: ignore[union-attr]
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed away
+    with pytest.raises(ConfigError, match="needs a file path, got a folder"):
+        manifest.save(tmp_path)  # an IsADirectoryError naming a temporary file in its parent
+    assert not list(tmp_path.parent.glob(".*.tmp"))
 
 
 def test_entries_and_slices() -> None:

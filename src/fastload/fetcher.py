@@ -147,6 +147,8 @@ class Fetcher:
         ``memoryview`` of the store client's own buffer instead: no copy (a 15 MB body's copy
         cost 6.6 ms of held GIL here).
         """
+        if isinstance(items, str | Request):  # a str would be read as one URL per character
+            raise ConfigError(f"fetch takes a list of URLs or Requests, got one: pass [{items!r}]")
         requests = [_as_request(item) for item in items]
         if not requests:
             return []

@@ -462,6 +462,8 @@ class Manifest(Sequence[Entry]):
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (a reader never sees half a file) in fastload's .npz layout."""
         target = Path(path)
+        if target.is_dir():
+            raise ConfigError(f"Manifest.save needs a file path, got a folder: {target}")
         meta = {
             "format": FORMAT,
             "root": self.root,
