@@ -97,6 +97,8 @@ def test_bad_input_is_named() -> None:
         DeviceLoader([], "cpu", prefetch=-1)
     with pytest.raises(ConfigError, match="input_sharding is for XLA"):
         DeviceLoader([], "cpu", input_sharding=object())
+    with pytest.raises(ConfigError, match="non_blocking must be a bool, got 'x'"):
+        DeviceLoader([], "cpu", non_blocking="x")  # type: ignore[arg-type]
     with pytest.raises(UnsupportedSampleError, match=r"batch\['meta'\]\[1\] is a builtins.set"):
         list(DeviceLoader([{"meta": [1, {2}]}], "cpu"))
     if not torch.cuda.is_available():
@@ -154,6 +156,10 @@ def test_diagnose_says_which_side_limits() -> None:
     assert alone["bound"] == "unknown" and alone["loader_batches_per_s"] > 0
     with pytest.raises(ConfigError, match="yielded no batches"):
         fastload.diagnose([], steps=2)
+    with pytest.raises(ConfigError, match="needs an iterable of batches"):
+        fastload.diagnose(5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="step must be a callable"):
+        fastload.diagnose(Batches(), step="train")  # type: ignore[arg-type]
 
 
 def test_state_dict_through_the_device_loader_skips_nothing() -> None:

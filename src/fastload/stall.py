@@ -350,6 +350,10 @@ def diagnose(
     coming from one pass of the loader, restarted when it ends. A loader with ``counters``
     (a :class:`fastload.DataLoader`) gets the cause named from them.
     """
+    if not isinstance(loader, Iterable):
+        raise ConfigError(f"diagnose needs an iterable of batches (a DataLoader), got {loader!r}")
+    if step is not None and not callable(step):
+        raise ConfigError(f"diagnose: step must be a callable step(batch), got {step!r}")
     if steps < 1 or warmup < 0:
         raise ConfigError(f"diagnose: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
     source = _endless(loader)

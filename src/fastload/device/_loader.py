@@ -56,6 +56,9 @@ class DeviceLoader:
             raise ConfigError(f"DeviceLoader needs an iterable of batches, got {loader!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"DeviceLoader prefetch must be an int >= 0, got {prefetch!r}")
+        for name, flag in (("non_blocking", non_blocking), ("channels_last", channels_last)):
+            if type(flag) is not bool:
+                raise ConfigError(f"DeviceLoader {name} must be a bool, got {flag!r}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ConfigError(f"DeviceLoader dtype must be a torch.dtype, got {dtype!r}")
         if not 0 < data_bound_above < 1:
