@@ -439,6 +439,17 @@ def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
         Cache(tmp_path, max_bytes=1.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="prune needs max_bytes"):
         Cache(tmp_path).prune()
+    cache = Cache(tmp_path)
+    cache.put("a", np.arange(3))
+    with pytest.raises(ConfigError, match="prune max_bytes must be None or an int >= 0, got '1GB'"):
+        cache.prune("1GB")  # type: ignore[arg-type]  # it evicted nothing and said nothing
+    with pytest.raises(ConfigError, match="must be None or an int >= 0, got -1"):
+        cache.prune(-1)
+    assert "a" in cache
+    with pytest.raises(ConfigError, match="name must be a str, got 5"):
+        cache.put(5, np.arange(3))  # type: ignore[arg-type]  # an AttributeError ('encode')
+    with pytest.raises(ConfigError, match="name must be a str"):
+        cache.contains_many(["a", 5])  # type: ignore[list-item]
 
 
 def test_the_cache_pickles_for_dataloader_workers(tmp_path: Path) -> None:

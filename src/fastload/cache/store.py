@@ -327,6 +327,8 @@ class Cache:
     # --- paths --------------------------------------------------------------------------------
 
     def _digest(self, name: str) -> str:
+        if not isinstance(name, str):
+            raise ConfigError(f"a cache entry's name must be a str, got {name!r}")
         return self._raw_digest(name.encode("utf-8", "surrogatepass"))
 
     def _raw_digest(self, name: bytes) -> str:
@@ -944,6 +946,10 @@ class Cache:
     def prune(self, max_bytes: int | None = None) -> int:
         """Evict down to ``max_bytes`` (default: the folder's budget); entries removed."""
         self._writable("prune")
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            raise ConfigError(
+                f"Cache.prune max_bytes must be None or an int >= 0, got {max_bytes!r}"
+            )
         before = self.counters.evictions
         with self._usage() as used:
             target = (used[1] or None) if max_bytes is None else max_bytes
