@@ -254,6 +254,8 @@ def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
         RemoteDataset(root, group_by=r"(unclosed", decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match="empty group name"):
         RemoteDataset(root, group_by=lambda k: "", decode="tiff", storage_options=options)
+    with pytest.raises(ConfigError, match="a group name that is not a str, 5 for"):
+        RemoteDataset(root, group_by=lambda k: 5, decode="tiff", storage_options=options)
     # what only groups (or shards) use is refused without them, not ignored
     with pytest.raises(ConfigError, match=r"need group_by or shards='tar'"):
         RemoteDataset(root, members=5, decode="tiff", storage_options=options)

@@ -159,7 +159,8 @@ def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[in
         if name is None:
             left_out.append(key)
         elif not isinstance(name, str) or not name:
-            raise ConfigError(f"group_by gave the empty group name {name!r} for {key!r}")
+            what = "the empty group name" if name == "" else "a group name that is not a str,"
+            raise ConfigError(f"group_by gave {what} {name!r} for {key!r} (None leaves it out)")
         else:
             groups.setdefault(name, []).append(i)
     if not groups:
