@@ -132,6 +132,14 @@ def test_what_a_fingerprint_cannot_follow() -> None:
     assert fingerprint(reads_loop) == fingerprint(reads_loop)
     versioned_helper = versioned(3)(lambda x: x)
     assert versioned_helper.fingerprint.endswith(":v3")  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"write @versioned\(1\) .* not @versioned"):
+
+        @versioned  # type: ignore[arg-type]  # the version forgotten: crop became the decorator
+        def crop(x: np.ndarray) -> np.ndarray:
+            return x[1:]
+
+    with pytest.raises(ConfigError, match="str or int version, got None"):
+        versioned(None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cannot fingerprint"):
         fingerprint(np.add.reduce)  # type: ignore[arg-type]
 

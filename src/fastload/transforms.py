@@ -70,6 +70,10 @@ def versioned(version: str | int) -> Callable[[F], F]:
     >>> @versioned("2")
     ... def crop(x): return x[..., 16:-16, 16:-16]
     """
+    if callable(version):  # @versioned without its version: crop would become the decorator
+        raise ConfigError(f"write @versioned(1) (with a version) above {version!r}, not @versioned")
+    if isinstance(version, bool) or not isinstance(version, str | int):
+        raise ConfigError(f"versioned needs a str or int version, got {version!r}")
 
     def mark(function: F) -> F:
         name = f"{function.__module__}.{function.__qualname__}"
