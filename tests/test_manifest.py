@@ -152,6 +152,37 @@ def test_labels_that_mix_numbers_and_names_are_refused(tmp_path: Path) -> None:
     assert [e.label for e in manifest.with_labels(floats)] == list(range(12))
 
 
+def test_labels_from_pandas_and_missing_ones_are_never_coded_as_names(tmp_path: Path) -> None:
+    """A table built from a pandas column, ``dict(zip(df.key, df.label))``, holds numpy
+    integers: they were taken as names and sorted as text, so 10 came before 2 and every code
+    moved; booleans became the classes "False"/"True" (a subset of positives coded 0); a
+    missing label (NaN, None, an empty CSV cell) became a class of its own."""
+    manifest = synthetic(12)
+    keys = manifest.keys()
+    pandas_like = manifest.with_labels({k: np.int64(11 - i) for i, k in enumerate(keys)})
+    assert [e.label for e in pandas_like] == list(range(11, -1, -1))
+    assert pandas_like.classes is None
+    positives = manifest.with_labels({k: np.bool_(True) for k in keys})
+    assert [e.label for e in positives] == [1] * 12
+    for missing in (float("nan"), None, "", " nan "):
+        table: dict[str, object] = {k: i for i, k in enumerate(keys)}
+        table[keys[3]] = missing
+        with pytest.raises(ConfigError, match=f"{keys[3]}: a missing label"):
+            manifest.with_labels(table)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"neither an integer nor a class name: 2\.5"):
+        manifest.with_labels({k: 2.5 for k in keys})  # type: ignore[misc]
+    gap = tmp_path / "gap.csv"  # an empty cell, as pandas writes NaN
+    gap.write_text(
+        "key,label\n" + "".join(f"{k},{'' if i == 7 else i}\n" for i, k in enumerate(keys))
+    )
+    with pytest.raises(ConfigError, match=f"{keys[7]}: a missing label ''"):
+        manifest.with_labels(gap)
+    nulls = tmp_path / "nulls.json"
+    nulls.write_text(json.dumps({k: (None if i == 2 else i) for i, k in enumerate(keys)}))
+    with pytest.raises(ConfigError, match=f"{keys[2]}: a missing label None"):
+        manifest.with_labels(nulls)
+
+
 def test_loading_something_else_is_a_config_error(tmp_path: Path) -> None:
     other = tmp_path / "other.npz"
     np.savez(other, meta=np.frombuffer(b'{"format": "x"}', dtype=np.uint8))

@@ -419,7 +419,8 @@ class Manifest(Sequence[Entry]):
                 f"{len(absent)} of {len(keys)} objects under {self.root} have no label "
                 f"(first: {absent[:3]}); pass missing='drop' to leave them out"
             )
-        codes, classes = label_codes([table[keys[i]] for i in keep], self.root)
+        named = [keys[i] for i in keep]
+        codes, classes = label_codes([table[key] for key in named], self.root, named)
         chosen = self._take(np.asarray(keep, dtype=np.int64))
         return Manifest(
             self.root,
@@ -696,11 +697,14 @@ def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[
     return {"size": now.size, "version": now.version}
 
 
-def label_codes(values: Sequence[Any], root: str) -> tuple[list[int], list[str] | None]:
+def label_codes(
+    values: Sequence[Any], root: str, keys: Sequence[str]
+) -> tuple[list[int], list[str] | None]:
     """Each label's code, and the class names when the labels are names (codes index them,
     names sorted); integer labels are their own codes. A mix of the two is refused: sorted as
     text, 10 would come before 2 and every code past it would move, silently."""
-    numbers = [isinstance(v, int) and not isinstance(v, bool) for v in values]
+    values = [_as_label(v, f"{root}/{key}") for v, key in zip(values, keys, strict=True)]
+    numbers = [isinstance(v, int) for v in values]
     if all(numbers):
         return [int(v) for v in values], None
     if any(numbers):
@@ -754,12 +758,34 @@ def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int |
     return table
 
 
-def _maybe_int(value: Any) -> int | str:
-    """A label as an integer when it is one: ``3``, ``"3"``, and ``3.0`` or ``"3.0"`` (pandas
-    writes an integer column holding a missing value as floats); else its text, a name."""
-    if isinstance(value, int) and not isinstance(value, bool):
+def _as_label(value: Any, url: str) -> int | str:
+    """A label as an int (any integer, a bool, an integral float) or a name (a str); a missing
+    one (None, NaN, an empty or "nan" text) or any other value is a ConfigError. (numpy
+    integers were taken as names and sorted as text: 10 before 2, every code moved.)"""
+    if isinstance(value, bool | np.bool_ | int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating) and np.isfinite(value) and value == int(value):
+        return int(value)
+    if isinstance(value, str) and value.strip() and value.strip().lower() != "nan":
         return value
-    text = str(value).strip()
+    missing = value is None or isinstance(value, str | float | np.floating)  # NaN, "", "nan"
+    if missing and not (isinstance(value, float | np.floating) and np.isfinite(value)):
+        what = "a missing label"
+    else:
+        what = "a label that is neither an integer nor a class name:"
+    raise ConfigError(
+        f"{url}: {what} {value!r}; give every sample an integer or a class "
+        "name, or leave the unlabelled ones out of the table"
+    )
+
+
+def _maybe_int(value: Any) -> Any:
+    """A label as an integer when it is one: ``3``, ``"3"``, and ``3.0`` or ``"3.0"`` (pandas
+    writes an integer column holding a missing value as floats); else as it is (a name, or a
+    JSON value that :func:`_as_label` judges)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
     try:
         return int(text)
     except ValueError:

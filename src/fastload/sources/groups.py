@@ -117,7 +117,9 @@ class Groups:
                 f"{len(absent)} of {len(self.names)} groups under {self.root} have no label "
                 f"(first: {absent[:_SHOWN]})"
             )
-        self._labels, classes = label_codes([table[name] for name in self.names], self.root)
+        self._labels, classes = label_codes(
+            [table[name] for name in self.names], self.root, self.names
+        )
         self.classes = None if classes is None else tuple(classes)
 
 
