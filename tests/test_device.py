@@ -86,6 +86,16 @@ def test_batches_count_their_samples_whatever_the_collation() -> None:
     assert batch_size_of(tuple(zip(*samples, strict=True))) == 8  # ((samples...), (labels...))
     assert batch_size_of([image] * 8) == 8  # numpy samples, as they are
     assert batch_size_of([torch.zeros(8, 3), torch.zeros(8)]) == 8  # tensors: batched fields
+    # collate_fn=list over images of different sizes: 8 tensors of 3 x H x W were counted as 3
+    ragged = [torch.zeros(3, 60 + i, 80) for i in range(8)]
+    assert batch_size_of(ragged) == 3  # alone, a list of tensors reads as batched fields
+    assert batch_size_of(ragged, batch_size=8) == 8  # the loader's batch size settles it
+    assert batch_size_of([torch.zeros(8, 3), torch.zeros(8)], batch_size=8) == 8
+    loader = fastload.DataLoader(
+        [torch.zeros(3, 60 + i, 80) for i in range(24)], batch_size=8, collate_fn=list
+    )
+    assert sum(len(batch) for batch in loader) == 24
+    assert loader.meter.epoch.samples == 24  # 3 + 3 + 3 = 9 before: each batch's first image
 
 
 def test_bad_input_is_named() -> None:

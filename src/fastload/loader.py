@@ -188,7 +188,7 @@ class DataLoader(tud.DataLoader[Any]):
         )
         self.background = background
         self.lookahead = lookahead
-        self.meter = Meter(hooks, log_every)
+        self.meter = Meter(hooks, log_every, self.batch_size)
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
         self._reshuffle = reshuffle  # our own shuffled sampler: a new order each pass

@@ -47,18 +47,23 @@ _EARLY_READS_MATTER = 0.25  # share of fetches re-reading chunks dropped early, 
 _PREPARE_MATTERS = 0.3  # decode+transform time, as a share of the wait, named as the cause
 
 
-def batch_size_of(batch: Any) -> int:
+def batch_size_of(batch: Any, batch_size: int | None = None) -> int:
     """Samples in a batch: the leading size of its first tensor or array (1 for a scalar), as
     torch's collation makes them. Batches of samples as they are, which torch's collation never
     makes (their first array is one sample's): a list of dict, tuple or numpy samples
     (``collate_fn=list``; torch's collation gives tensors) holds ``len`` of them, a tuple of
     tuples (``tuple(zip(*samples))``, as torchvision's detection examples collate) ``len`` of
-    its first."""
+    its first. A list of tensors is batched fields (``[images, labels]``) unless the loader's
+    ``batch_size`` says otherwise: as many tensors as that, not all with it as their leading
+    size, are samples (``collate_fn=list`` over images of different sizes; a short last batch
+    of them still reads as fields, counted by its first tensor)."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return int(batch.shape[0]) if batch.ndim else 1
     if isinstance(batch, (list, tuple)) and batch:
-        if all(isinstance(s, Mapping) for s in batch) or (
-            isinstance(batch, list) and all(isinstance(s, (tuple, np.ndarray)) for s in batch)
+        if (
+            all(isinstance(s, Mapping) for s in batch)
+            or (isinstance(batch, list) and all(isinstance(s, (tuple, np.ndarray)) for s in batch))
+            or _tensor_samples(batch, batch_size)
         ):
             return len(batch)
         if isinstance(batch, tuple) and all(isinstance(field, tuple) for field in batch):
@@ -73,6 +78,16 @@ def batch_size_of(batch: Any) -> int:
     return 0
 
 
+def _tensor_samples(batch: list[Any] | tuple[Any, ...], batch_size: int | None) -> bool:
+    """Whether ``batch`` is a list of ``batch_size`` tensors that are samples, not fields."""
+    return (
+        isinstance(batch, list)
+        and len(batch) == batch_size
+        and all(isinstance(t, torch.Tensor) for t in batch)
+        and not all(t.ndim and t.shape[0] == batch_size for t in batch)
+    )
+
+
 class Meter:
     """Times the batches a loop takes from an iterator, since the start and per pass.
 
@@ -81,7 +96,9 @@ class Meter:
     own, under the device loader's) passes its batches through untimed.
     """
 
-    def __init__(self, hooks: Sequence[Hook] = (), log_every: int = 50) -> None:
+    def __init__(
+        self, hooks: Sequence[Hook] = (), log_every: int = 50, batch_size: int | None = None
+    ) -> None:
         if log_every < 1:
             raise ConfigError(f"log_every must be >= 1, got {log_every}")
         for hook in hooks:
@@ -91,6 +108,7 @@ class Meter:
         self.epoch = StepStats()  # the current (or last) pass
         self.hooks = tuple(hooks)
         self.log_every = log_every
+        self.batch_size = batch_size  # the loader's, when it batches (see batch_size_of)
         self._window = [0.0, 0.0, 0.0]  # wait, step, samples since the last hook call
         self._waiting = False  # inside a timed next(): a pass started now is nested in it
 
@@ -120,7 +138,7 @@ class Meter:
             yield batch
 
     def _batch(self, waited: float, batch: Any, *, first: bool) -> None:
-        samples = batch_size_of(batch)
+        samples = batch_size_of(batch, self.batch_size)
         for stats in (self.stats, self.epoch):
             stats.samples += samples
             if first:
@@ -362,7 +380,7 @@ def diagnose(
     for _ in range(max(1, warmup)):
         batch = next(source)
     result: dict[str, Any] = {"first_batches_s": time.perf_counter() - started}
-    loader_s, samples, batch = _time_loader(source, steps)
+    loader_s, samples, batch = _time_loader(source, steps, getattr(loader, "batch_size", None))
     result["loader_batches_per_s"] = steps / loader_s
     result["loader_samples_per_s"] = samples / loader_s
     if step is None:
@@ -420,11 +438,13 @@ def _endless(loader: Iterable[Any]) -> Iterator[Any]:
             raise ConfigError(f"diagnose: {loader!r} yielded no batches")
 
 
-def _time_loader(source: Iterator[Any], steps: int) -> tuple[float, int, Any]:
+def _time_loader(
+    source: Iterator[Any], steps: int, batch_size: int | None
+) -> tuple[float, int, Any]:
     samples, batch = 0, None
     started = time.perf_counter()
     for batch in islice(source, steps):
-        samples += batch_size_of(batch)
+        samples += batch_size_of(batch, batch_size)
     return time.perf_counter() - started, samples, batch
 
 

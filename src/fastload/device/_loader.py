@@ -81,7 +81,7 @@ class DeviceLoader:
             self.meter = shared  # one meter per loop: a fastload.DataLoader's own
             self.meter.hooks += Meter(hooks, log_every).hooks
         else:
-            self.meter = Meter(hooks, log_every)
+            self.meter = Meter(hooks, log_every, getattr(loader, "batch_size", None))
         self._delivered = 0
         self._passes = 0
         self._pass_start: StageCounters | None = None
