@@ -268,6 +268,11 @@ def test_quantile_normalize_leaves_infinities_out_of_the_estimate() -> None:
     assert out[0, 0, 0] == 1.0 and out[0, 0, 8] == 0.0
     unclipped = QuantileNormalize(clip=False)(volume)
     assert unclipped[0, 0, 0] == np.inf and unclipped[0, 0, 8] == -np.inf
+    with pytest.raises(ConfigError, match="clip must be a bool, got 'no'"):
+        QuantileNormalize(clip="no")  # type: ignore[arg-type]  # it clipped: "no" is truthy
+    with pytest.raises(ConfigError, match="low must be a number, got '1'"):
+        QuantileNormalize(low="1")  # type: ignore[arg-type]  # a TypeError comparing it
+    assert QuantileNormalize(np.float32(1), np.int64(99)).high == 99
 
 
 def test_quantile_normalize_with_nothing_to_spread() -> None:

@@ -275,6 +275,12 @@ class QuantileNormalize(_Params):
     clip: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("low", "high"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                raise ConfigError(f"QuantileNormalize.{name} must be a number, got {value!r}")
+        if type(self.clip) is not bool:  # clip="no" would clip
+            raise ConfigError(f"QuantileNormalize.clip must be a bool, got {self.clip!r}")
         if not 0 <= self.low < self.high <= 100:
             raise ConfigError(f"QuantileNormalize needs 0 <= low < high <= 100, got {self!r}")
         if type(self.stride) is not int or self.stride < 1:
