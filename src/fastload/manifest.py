@@ -768,11 +768,9 @@ def _as_label(value: Any, url: str) -> int | str:
         return int(value)
     if isinstance(value, str) and value.strip() and value.strip().lower() != "nan":
         return value
-    missing = value is None or isinstance(value, str | float | np.floating)  # NaN, "", "nan"
-    if missing and not (isinstance(value, float | np.floating) and np.isfinite(value)):
-        what = "a missing label"
-    else:
-        what = "a label that is neither an integer nor a class name:"
+    nan = isinstance(value, float | np.floating) and not np.isfinite(value)
+    missing = value is None or isinstance(value, str) or nan  # None, NaN, "", "nan"
+    what = "a missing label" if missing else "a label that is neither an integer nor a class name:"
     raise ConfigError(
         f"{url}: {what} {value!r}; give every sample an integer or a class "
         "name, or leave the unlabelled ones out of the table"
