@@ -859,6 +859,37 @@ def test_entries_of_one_length_but_another_layout_are_read_right(tmp_path: Path)
     assert cache.counters.misses == 40 and cache.counters.repairs == 0
 
 
+def test_a_batch_of_one_length_and_layout_but_other_shapes_types_and_labels_reads_right(
+    tmp_path: Path,
+) -> None:
+    """A batch's entries of one length whose blobs lie alike are read into one batch array,
+    and their leaves are made once for the batch from the first one's shape and type: entries
+    with another shape of the same size, another dtype of the same width, or another label
+    still read as themselves, whichever of them comes first in the batch."""
+    cache = Cache(tmp_path, format="npy")
+    flat = np.random.default_rng(0).integers(0, 256, 3 * 32_768, dtype=np.uint8)
+    kinds = [
+        {"x": flat.reshape(3, 32_768), "label": 3},
+        {"x": flat.reshape(32_768, 3), "label": 3},  # its shapes' JSON is as long
+        {"x": flat.reshape(3, 32_768).view(np.int8), "label": 3},
+        {"x": torch.from_numpy(flat.reshape(3, 32_768)), "label": 3},
+        {"x": flat.reshape(3, 32_768), "label": 7},
+    ]
+
+    def make(positions: list[int]) -> list[Any]:
+        return [kinds[p % len(kinds)] for p in positions]
+
+    names = [f"s3://b/dir/{i:03d}.npy" for i in range(40)]
+    cache.get_many(names, make)
+    assert len({packed(cache, name)[2] for name in names}) == 1
+    cache.get_many(names[:1], make)  # read whole once: where the blobs lie is learned
+    for start in range(len(kinds)):
+        order = names[start:] + names[:start]
+        for name, value in zip(order, cache.get_many(order, make), strict=True):
+            assert_same(value, kinds[int(name[-7:-4]) % len(kinds)])
+    assert cache.counters.misses == 40 and cache.counters.repairs == 0
+
+
 def test_threads_write_at_once_and_no_record_comes_before_earlier_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,14 +31,14 @@ Spans = tuple[tuple[int, int], ...]
 
 @dataclass(slots=True)
 class Split:
-    """An entry read in pieces: row ``row`` of ``group``. Its pieces are the bytes before its
-    first blob, then each blob (a row of the group's batch array for it) and the bytes after
-    it. The group's spans are where the reader guessed the blobs lie; the format checks that
-    guess when it decodes, and joins the pieces when it was wrong. (One object an entry: the
-    pieces are made when asked for, so a batch leaves little for the garbage collector.)"""
+    """An entry read in pieces: row ``row`` of ``group``. Its ``pieces`` are the bytes before
+    its first blob, then each blob (a row of the group's batch array for it) and the bytes
+    after it. The group's spans are where the reader guessed the blobs lie; the format checks
+    that guess when it decodes, and joins the pieces when it was wrong."""
 
     group: _Alike
     row: int
+    pieces: list[memoryview]
 
     @property
     def spans(self) -> Spans:
@@ -49,25 +50,22 @@ class Split:
 
     def crc(self) -> int:
         """The CRC32C of all the entry's bytes but its last four."""
-        *pieces, end = self.pieces()
+        *pieces, end = self.pieces
         crc = 0
         for piece in pieces:
             crc = crc32c(piece, crc)
         return crc32c(end[:-4], crc)
 
-    def pieces(self) -> list[memoryview]:
-        return self.group.pieces(self.row)
-
     def head(self) -> memoryview:
         """The bytes before the first blob."""
-        return self.group.around(self.row, 0)
+        return self.pieces[0]
 
     def tail(self) -> memoryview:
         """The bytes after the last blob."""
-        return self.group.around(self.row, len(self.group.spans))
+        return self.pieces[-1]
 
     def whole(self) -> np.ndarray:
-        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces()])
+        return np.concatenate([np.frombuffer(piece, np.uint8) for piece in self.pieces])
 
     def blob(self, index: int, kind: str) -> Leaf:
         """The ``index``-th blob: a row of its batch tensor for a tensor leaf, else of its
@@ -100,12 +98,17 @@ class Rows:
         placed = self._rows.get(i)
         if placed is None:
             return np.empty(length, np.uint8)
-        return Split(*placed)
+        group, row = placed
+        return Split(group, row, group.pieces(row))
 
 
 class _Alike:
     """The batch arrays of ``count`` entries of one length and blob ``spans`` (a tensor each
     too), and a buffer for the bytes around their blobs."""
+
+    shared: Any = None
+    """What the format worked out once for all entries of the group whose heads are alike
+    (:meth:`fastload.cache.formats.FileFormat.decode` keeps it here)."""
 
     def __init__(self, count: int, length: int, spans: Spans) -> None:
         self.arrays = [_BATCHES.take((count, size)) for _, size in spans]

@@ -607,13 +607,14 @@ def _read_run(
     views: list[memoryview] = []
     for buffer in buffers:
         if isinstance(buffer, Split):
-            views += buffer.pieces()
+            views += buffer.pieces
         else:
             views.append(buffer.data)
     got = 0
     while got < total and (count := os.preadv(fd, views[:_IOV_MAX], start + got)):
         got += count
-        views = _after(views, count)
+        if got < total:  # a run longer than one call takes, or a short read
+            views = _after(views, count)
     if got != total:
         for i, where in run:
             out[i] = _read_one(fd, path, where)
