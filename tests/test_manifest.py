@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
-from fastload.manifest import Manifest
+from fastload.manifest import Manifest, Strings
 from fastload.testing import FaultProxy, Faults, free_port
 from tests.conftest import BUCKET, write
 
@@ -411,3 +411,13 @@ def test_an_unusable_saved_listing_is_listed_again(
         len(RemoteDataset(other, manifest_path=path, storage_options=seaweed.storage_options()))
         == 1
     )
+
+
+def test_a_batch_of_keys_and_versions_is_picked_as_one_by_one() -> None:
+    """``Strings.pick`` (a warm batch's cache names) gives what indexing one by one gives, for
+    keys with folders, spaces, non-ASCII, an undecodable byte, an empty version; the first
+    entry, repeats and an empty batch included."""
+    items = ["a/b c.npy", "", "dir/é/ü.png", "bad\udcff.bin", "x" * 300, "0"]
+    strings = Strings.of(items)
+    for indices in ([5, 0, 3, 3, 1, 4, 2], [0], [], np.arange(6)[::-1].tolist()):
+        assert strings.pick(indices) == [strings[i] for i in indices] == [items[i] for i in indices]

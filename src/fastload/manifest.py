@@ -63,6 +63,17 @@ class Strings:
         start = int(self.ends[i - 1]) if i > 0 else 0
         return self.blob[start : int(self.ends[i])].tobytes().decode("utf-8", "surrogatepass")
 
+    def pick(self, indices: Sequence[int]) -> list[str]:
+        """``[self[i] for i in indices]`` (each in [0, len)), worked out for all at once."""
+        at = np.asarray(indices, dtype=np.int64)
+        ends = self.ends[at]
+        starts = np.where(at > 0, self.ends[at - 1], 0)
+        view = self.blob.data
+        return [
+            str(view[a:b], "utf-8", "surrogatepass")
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+
     def tolist(self) -> list[str]:
         data = self.blob.tobytes()
         ends = self.ends.tolist()
@@ -312,10 +323,11 @@ class Manifest(Sequence[Entry]):
     def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
         """The URL, version and label of the entries at ``indices`` (each in range), as
         ``self[i]`` gives them, without an :class:`Entry` each (a warm batch's cache names)."""
-        keys, versions, labels = self._keys, self._versions, self._labels
+        keys, versions = self._keys.pick(indices), self._versions.pick(indices)
+        labels = [None] * len(keys) if self._labels is None else self._labels[indices].tolist()
         return [
-            (self.url(keys[i]), versions[i], None if labels is None else int(labels[i]))
-            for i in indices
+            (self.url(key), version, label)
+            for key, version, label in zip(keys, versions, labels, strict=True)
         ]
 
     def __iter__(self) -> Iterator[Entry]:

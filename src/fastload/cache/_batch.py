@@ -39,6 +39,7 @@ class Split:
     group: _Alike
     row: int
     pieces: list[memoryview]
+    _crc: int | None = None
 
     @property
     def spans(self) -> Spans:
@@ -49,12 +50,15 @@ class Split:
         return self.group.length
 
     def crc(self) -> int:
-        """The CRC32C of all the entry's bytes but its last four."""
-        *pieces, end = self.pieces
-        crc = 0
-        for piece in pieces:
-            crc = crc32c(piece, crc)
-        return crc32c(end[:-4], crc)
+        """The CRC32C of all the entry's bytes but its last four (worked out once: the reader
+        asks for it as soon as they are read, while they are still in the CPU's cache)."""
+        if self._crc is None:
+            *pieces, end = self.pieces
+            crc = 0
+            for piece in pieces:
+                crc = crc32c(piece, crc)
+            self._crc = crc32c(end[:-4], crc)
+        return self._crc
 
     def head(self) -> memoryview:
         """The bytes before the first blob."""
