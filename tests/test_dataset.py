@@ -375,16 +375,16 @@ def test_prefetch_probes_a_warm_cache_and_resumes_at_a_miss(
     dataset.warm(range(4))
     for _ in range(module._WARM_STREAK):  # found warm
         dataset.prefetch(range(4)).result(timeout=60)
-    cache.delete(dataset._cache_name(5))
+    cache.delete(dataset._cache_names([5])[0])
     for _ in range(module._WARM_PROBE - 1):
         dataset.prefetch([5]).result(timeout=60)
-    assert dataset._cache_name(5) not in cache  # not checked
+    assert dataset._cache_names([5])[0] not in cache  # not checked
     dataset.prefetch([5]).result(timeout=60)
-    assert dataset._cache_name(5) in cache  # the probe found the miss and made it
+    assert dataset._cache_names([5])[0] in cache  # the probe found the miss and made it
     assert dataset._warm_batches < module._WARM_STREAK  # checking every batch again
-    cache.delete(dataset._cache_name(6))
+    cache.delete(dataset._cache_names([6])[0])
     dataset.prefetch([6]).result(timeout=60)
-    assert dataset._cache_name(6) in cache
+    assert dataset._cache_names([6])[0] in cache
 
 
 class Expensive(Dataset[Any]):
@@ -423,7 +423,7 @@ def test_a_cached_dataset_s_name_follows_its_configuration(
     cache = Cache(tmp_path / "c", format="npy")
     small, large = CachedDataset(Resized(224), cache), CachedDataset(Resized(256), cache)
     assert small[1].shape == (224,) and large[1].shape == (256,)
-    assert CachedDataset(Resized(224), cache)._cache_name(1) == small._cache_name(1)
+    assert CachedDataset(Resized(224), cache)._cache_names([1]) == small._cache_names([1])
     assert caplog.text == ""  # constants only: nothing it cannot follow
     with caplog.at_level(logging.WARNING):
         CachedDataset(Resized(224, table=object()), cache)

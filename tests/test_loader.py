@@ -566,7 +566,7 @@ def test_warm_batches_read_into_place_are_the_samples_while_earlier_ones_are_hel
     for _ in range(2):
         assert sum(check(batch) for batch in loader) == 96
     # the names warm reads look for are those the lookahead checks: nothing is made twice
-    assert all(dataset.cache.contains_many([dataset._cache_name(i) for i in range(96)]))
+    assert all(dataset.cache.contains_many(dataset._cache_names(list(range(96)))))
     if workers == 0:
         assert dataset.stats()["cache"]["misses"] == filled
 
