@@ -682,11 +682,10 @@ class _Pass:
                 else:
                     ahead.append(batch)
                 while len(ahead) > window:
-                    item = ahead.popleft()
-                    yield item if self.newest is None else self._given(item, given, group)
+                    yield self._given(ahead.popleft(), given, group)
                     given += 1
             for item in ahead:
-                yield item if self.newest is None else self._given(item, given, group)
+                yield self._given(item, given, group)
                 given += 1
         finally:
             self.close()

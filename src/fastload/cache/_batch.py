@@ -23,7 +23,7 @@ from crc32c import crc32c
 
 from fastload.cache._tree import Leaf
 
-__all__ = ["Rows", "Spans", "Split", "read_into"]
+__all__ = ["Rows", "Shared", "Spans", "Split", "read_into"]
 
 Spans = tuple[tuple[int, int], ...]
 """Where the blobs of an entry lie in it: (start, size) of each."""
@@ -78,6 +78,20 @@ class Split:
         return rows[index][self.row]
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """The leaves of a group's entries of one ``structure`` and leaf ``values`` (shapes), made
+    once for the group by its format: leaf j of row r is ``columns[j][r]``, a row of the group's
+    batch arrays, typed and shaped. An entry whose head but for its digest's check bytes is
+    ``prefix`` also has these ``scalars``."""
+
+    structure: dict[str, Any]
+    prefix: bytes
+    scalars: list[Any]
+    values: list[Any]
+    columns: list[list[Leaf]]
+
+
 class Rows:
     """Where one batch read puts each entry: when several are of a length whose blob spans are
     known (``FileFormat.spans``), their blobs go into rows of a batch tensor per blob (a
@@ -110,9 +124,9 @@ class _Alike:
     """The batch arrays of ``count`` entries of one length and blob ``spans`` (a tensor each
     too), and a buffer for the bytes around their blobs."""
 
-    shared: Any = None
-    """What the format worked out once for all entries of the group whose heads are alike
-    (:meth:`fastload.cache.formats.FileFormat.decode` keeps it here)."""
+    shared: Shared | None = None
+    """Its entries' leaves, once its format has made them (see :meth:`fastload.cache.formats.
+    FileFormat.decode`)."""
 
     def __init__(self, count: int, length: int, spans: Spans) -> None:
         self.arrays = [_BATCHES.take((count, size)) for _, size in spans]

@@ -49,7 +49,7 @@ import torch
 from crc32c import crc32c
 
 from fastload._extras import import_extra
-from fastload.cache._batch import Spans, Split
+from fastload.cache._batch import Shared, Spans, Split
 from fastload.cache._locks import private_dirs
 from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
@@ -140,20 +140,6 @@ def _undecodable(exc: Exception, where: str | Path) -> CorruptEntryError:
     """Why an entry whose checksum passed does not decode (another format or version wrote
     it)."""
     return CorruptEntryError(f"cache entry does not decode ({type(exc).__name__}): {where}")
-
-
-@dataclass(frozen=True, slots=True)
-class _Shared:
-    """The leaves of a batch group's entries (:class:`Split`) of one ``structure`` and leaf
-    ``values`` (shapes), made once for the group: leaf j of row r is ``columns[j][r]``, a row of
-    the group's batch arrays, typed and shaped. An entry whose head but for its digest's check
-    bytes is ``prefix`` is also one of ``scalars``."""
-
-    structure: dict[str, Any]
-    prefix: bytes
-    scalars: list[Any]
-    values: list[Any]
-    columns: list[list[Leaf]]
 
 
 def _spans(sizes: list[int], position: int, end: int, small: int = 16) -> Spans:
@@ -265,19 +251,19 @@ class FileFormat(Format):
         if split.crc() != int.from_bytes(split.tail()[-4:], "little"):
             raise CorruptEntryError(f"cache entry fails its checksum: {where}")
         prefix = head[: _HEAD.size + length]  # all of the head but the digest's check bytes
-        shared: _Shared | None = split.group.shared
+        shared: Shared | None = split.group.shared
         if shared is not None and shared.structure is structure and shared.prefix == prefix:
             leaves = [column[split.row] for column in shared.columns]
             return unflatten(structure["spec"], leaves, shared.scalars)
         try:
-            scalars, leaf_values = _values(bytes(head[_HEAD.size : _HEAD.size + length]))
+            scalars, leaf_values = _values(bytes(prefix[_HEAD.size :]))
             kinds = structure["kinds"]
             spans = _spans(self._sizes(kinds, leaf_values), position, split.length - _TAIL.size)
             if spans != split.spans:
                 return self.decode(split.whole(), where, structure)
             if shared is None:  # the group's first: its leaves are made for all rows at once
                 columns = self._columns(kinds, leaf_values, split)
-                shared = _Shared(structure, bytes(prefix), scalars, leaf_values, columns)
+                shared = Shared(structure, bytes(prefix), scalars, leaf_values, columns)
                 split.group.shared = shared
             if shared.structure is structure and shared.values == leaf_values:
                 leaves = [column[split.row] for column in shared.columns]
