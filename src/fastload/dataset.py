@@ -230,7 +230,8 @@ class _Batched(Dataset[Any]):
 
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Make and cache ``indices`` in the background (needs a cache); later reads hit.
-        Entries already in the cache are skipped (the index is looked at once per batch).
+        Entries already in the cache are skipped: the index is looked at here, once per
+        batch, before anything is handed to a thread.
         After ``_WARM_STREAK`` batches with nothing missing, only one batch in
         ``_WARM_PROBE`` is checked until one misses again: a batch left unchecked that
         misses is made when it is read.
