@@ -274,6 +274,39 @@ def test_errors_from_the_background_thread_reach_the_loop() -> None:
     assert got == list(range(25))  # everything before the bad batch arrived, in order
 
 
+def test_the_loading_thread_steps_aside_for_a_loop_with_nothing_to_overlap() -> None:
+    """A loop whose steps are too short to overlap (a thread's hand-off of each batch would
+    only cost it) goes on in its own thread after a few batches: the same batches in the same
+    order, errors still reach it, and the next pass starts with a thread again."""
+    plain = fastload.DataLoader(Numbers(300), batch_size=5, shuffle=True, seed=3, background=False)
+    loader = fastload.DataLoader(Numbers(300), batch_size=5, shuffle=True, seed=3, num_workers=0)
+    for _ in range(2):
+        alive = []
+        got = []
+        for x, _ in loader:
+            alive.append(bool(loader_threads()))
+            got.append(x)
+        expected = list(plain)
+        assert len(got) == len(expected) == 60
+        assert all(torch.equal(a, b[0]) for a, b in zip(got, expected, strict=True))
+        assert alive[0] and not any(alive[40:])  # handed back (by batch 9 here), not stopped
+    bad = fastload.DataLoader(Numbers(300, bad=frozenset({250})), batch_size=5, num_workers=0)
+    seen: list[int] = []
+    with pytest.raises(ValueError, match="sample 250 is broken"):
+        for _, y in bad:
+            seen += y.tolist()
+    assert seen == list(range(250)) and loader_threads() == []
+
+
+def test_the_loading_thread_stays_while_the_steps_leave_it_work() -> None:
+    loader = fastload.DataLoader(Numbers(150), batch_size=5, num_workers=0)
+    alive = []
+    for _ in loader:
+        time.sleep(0.002)  # a training step that lets go of the GIL
+        alive.append(bool(loader_threads()))
+    assert len(alive) == 30 and all(alive[:25])
+
+
 def test_forkserver_only_where_it_is_a_drop_in(tmp_path: Path) -> None:
     assert _fork_safe_context(Numbers(3)) is multiprocessing.get_context("forkserver")
     assert _fork_safe_context(lambda: 1) is None  # does not pickle: fork
