@@ -347,6 +347,29 @@ def test_cuda_copies_from_pinned_memory_overlap_compute() -> None:
     assert ahead < DATA_BOUND_ABOVE and ahead < blocking / 2, (ahead, blocking)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_channels_last_and_dtype_keep_values_and_integer_labels() -> None:
+    """``channels_last`` and ``dtype`` applied on the device give what the same conversion gives
+    on the CPU; 16-bit integer masks keep every value (dtype converts floating point only)."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand((4, 3, 17, 23), generator=generator)
+    masks = torch.randint(0, 65536, (4, 1, 17, 23), generator=generator).to(torch.uint16)
+    loader = DeviceLoader(
+        [{"image": images, "mask": masks, "name": ["a", "b", "c", "d"]}],
+        "cuda",
+        channels_last=True,
+        dtype=torch.bfloat16,
+    )
+    (batch,) = list(loader)
+    assert batch["image"].dtype == torch.bfloat16 and batch["mask"].dtype == torch.uint16
+    for key in ("image", "mask"):
+        assert batch[key].is_contiguous(memory_format=torch.channels_last), key
+    assert torch.equal(batch["image"].cpu(), images.to(torch.bfloat16))
+    assert torch.equal(batch["mask"].cpu().int(), masks.int())
+    assert batch["name"] == ["a", "b", "c", "d"]
+
+
 def _nccl_rank(rank: int, world: int, port: int, root: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world)
