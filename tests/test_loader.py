@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, RandomSampler
 
 import fastload
-from fastload import Cache, ConfigError, PermutationSampler, RemoteDataset
+from fastload import Cache, ConfigError, DecodeError, PermutationSampler, RemoteDataset
 from fastload.loader import _Ahead, _fork_safe_context, _Pass, default_workers
+from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
@@ -450,6 +451,94 @@ def test_with_workers_the_workers_fetch_ahead_themselves(
     assert 0 < total.fetch.objects <= 48
     made_ahead = total.cache.hits + total.cache.waits  # a batch read what a lookahead made
     assert made_ahead >= 4
+
+
+def test_workers_fill_the_cache_and_the_loop_reads_it(
+    remote: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """With a cache, workers make and cache a batch's missing samples and hand back only
+    their positions; the loop's process reads the batch from the cache (a worker's batch
+    would cross through fresh shared memory, which cost more than the read). Same batches,
+    in the same order, as without workers; each sample counted once as a hit or a miss."""
+    root, options = remote
+
+    def loader(workers: int, cache: Path) -> fastload.DataLoader:
+        dataset = RemoteDataset(
+            root, decode="npy", cache=Cache(cache, format="npy"), storage_options=options
+        )
+        return fastload.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=workers, seed=3)
+
+    def batches(source: fastload.DataLoader) -> list[list[int]]:
+        return [[int(v) for v in batch[:, 0, 0]] for batch in source]
+
+    filling = loader(2, tmp_path / "filled")
+    assert filling.fills and not loader(0, tmp_path / "plain").fills
+    cold, warm = batches(filling), batches(filling)
+    plain = loader(0, tmp_path / "plain")
+    assert cold == batches(plain) and warm == batches(plain)
+    assert sorted(v for batch in cold for v in batch) == list(range(48))
+    main = filling.dataset.counters  # type: ignore[attr-defined]
+    assert main.dataset.samples == 96 and main.fetch.objects == 0  # read here, made there
+    assert main.cache.hits == 0 and main.cache.misses == 0  # counted where they were found
+    epoch = filling.report().counters
+    assert epoch is not None and epoch.cache.hits == 48 and epoch.cache.misses == 0
+    assert epoch.fetch.objects == 0
+
+
+def test_workers_fill_only_where_reading_back_gives_the_same_batch(
+    remote: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, options = remote
+
+    def fills(cache: Cache | None = None, **kwargs: Any) -> bool:
+        loader_args = {k: kwargs.pop(k) for k in ("pin_memory", "collate_fn") if k in kwargs}
+        dataset = RemoteDataset(
+            root,
+            decode="npy",
+            cache=Cache(tmp_path / "c") if cache is None else cache,
+            storage_options=options,
+            **kwargs,
+        )
+        loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2, **loader_args)
+        return bool(loader.fills)
+
+    assert fills()
+    assert not fills(augment=lambda x: x + 1)  # done per read: stays in the workers
+    assert not fills(on_change="refresh")  # reads bypass the cache
+    assert not fills(pin_memory=True)  # torch's pinning thread pins workers' batches
+    assert not fills(collate_fn=torch.utils.data.default_collate)
+    Cache(tmp_path / "ro").put("x", np.zeros(1))
+    assert not fills(cache=Cache(tmp_path / "ro", read_only=True))  # keeps nothing made
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_filling_worker_settles_a_batch_with_a_failed_sample(
+    seaweed: S3Server, tmp_path: Path, policy: str
+) -> None:
+    """A sample that fails in a filling worker: the worker settles the batch as without
+    filling (skipped and named, or raised naming the object); nothing is fetched twice."""
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/fillerr-{uuid.uuid4().hex[:8]}", options, 16)
+    filesystem(root, options).pipe(f"{root.split('://')[1]}/0005.npy", b"garbage")
+    dataset = RemoteDataset(
+        root,
+        decode="npy",
+        cache=Cache(tmp_path),
+        storage_options=options,
+        on_error=policy,  # type: ignore[arg-type]
+    )
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2, lookahead=0)
+    assert loader.fills
+    if policy == "raise":
+        with pytest.raises(DecodeError, match=r"0005\.npy"):
+            list(loader)
+        return
+    values = [int(v) for batch in loader for v in batch[:, 0, 0]]
+    assert len(values) == 16 and 5 not in values and set(values) == set(range(16)) - {5}
+    counters = loader.counters
+    assert counters is not None and counters.dataset.skipped == 1
+    assert any("0005.npy" in key for key in counters.dataset.skipped_keys)
+    assert counters.fetch.objects == 16
 
 
 def test_the_shuffle_follows_seed_and_says_so_when_a_generator_is_given(

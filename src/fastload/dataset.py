@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
 OnChange = Literal["raise", "skip", "refresh"]
 ShardFormat = Literal["tar", "parquet"]
+Read = Literal["read", "ahead", "filled"]
+"""How a batch is read: ``read`` (the loop's batch), ``ahead`` (made by the lookahead and held
+for the read of its batch, :class:`Handoff`), ``filled`` (a worker made or found every sample
+and counted it as a cache hit or miss: read back without counting it again)."""
 _REPLACE_ROUNDS = 8  # how far on_error="skip" looks for stand-ins when a whole batch failed
 PREFETCH_BATCHES = 4
 """Batches :meth:`RemoteDataset.prefetch` works on at once (per process)."""
@@ -63,6 +67,19 @@ _WARM_STREAK = 8  # batches prefetch found cached before it checks only one in _
 _WARM_PROBE = 8
 _DONE: Future[None] = Future()  # what a prefetch with nothing to do returns
 _DONE.set_result(None)
+
+
+class Filled:
+    """A DataLoader worker's answer for a batch whose samples it has made and cached: the
+    loop's process reads them from the cache (``indices``: positions in the dataset)."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __reduce__(self) -> tuple[type[Filled], tuple[list[int]]]:
+        return Filled, (self.indices,)
 
 
 class _Batched(Dataset[Any]):
@@ -82,20 +99,26 @@ class _Batched(Dataset[Any]):
     _length: int
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
+    fills_only = False
+    """Set in a DataLoader worker whose loop's process reads the cache itself: a batch's
+    samples are made and cached here, and the worker answers :class:`Filled` (see
+    :func:`fastload.loader`'s fill mode)."""
 
-    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
-        """The samples at ``indices`` (a failure sits in its slot as an exception); ``ahead``:
-        made by the lookahead, to be held for the read of their batch (:class:`Handoff`)."""
+    def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
+        """The samples at ``indices`` (a failure sits in its slot as an exception); ``how``:
+        see :data:`Read`."""
         raise NotImplementedError
 
     def _get_many(
-        self, names: list[str], produce: Callable[[list[int]], list[Any]], ahead: bool = False
+        self, names: list[str], produce: Callable[[list[int]], list[Any]], how: Read = "read"
     ) -> list[Any]:
         """``cache.get_many(names, produce)``, with the samples the lookahead made and held
-        taken instead of read back; ``ahead``: hold what this makes."""
+        taken instead of read back (see :data:`Read`)."""
         cache, handoff = self.cache, self._handoff_here()
         assert cache is not None
-        if ahead:
+        if how == "filled":
+            return cache.get_many(names, produce, counted=False)
+        if how == "ahead":
             made = cache.get_many(names, produce)
             handoff.keep(names, made)
             return made
@@ -124,19 +147,66 @@ class _Batched(Dataset[Any]):
         return self._length
 
     def __getitem__(self, index: int) -> Any:
-        return self.__getitems__([index])[0]
+        positions = self._positions([index])
+        return self._settled(positions, self._items(positions))[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Any] | Filled:
+        positions = self._positions(indices)
+        items = self._fill(positions) if self.fills_only else self._items(positions)
+        return items if isinstance(items, Filled) else self._settled(positions, items)
+
+    def _positions(self, indices: Sequence[int]) -> list[int]:
+        """Checked positions of ``indices``; a batch from a fastload.DataLoader's worker (its
+        first index a loader._Ahead) also has a batch further on cached in the background,
+        which another worker may read: nothing is held."""
         lookahead = getattr(indices[0], "lookahead", None) if len(indices) else None
-        if lookahead and self.cache is not None:  # a worker's batch from fastload.DataLoader
-            self._prefetch(lookahead, hold=False)  # (its loader._Ahead): cache a batch further
-            # on, which another worker may read: nothing held
-        positions = [self._index(i) for i in indices]
-        items = self._items(positions)
+        if lookahead and self.cache is not None:
+            self._prefetch(lookahead, hold=False)
+        return [self._index(i) for i in indices]
+
+    def _settled(self, positions: list[int], items: list[Any]) -> list[Any]:
+        """``items`` with their failures raised or skipped, counted, augmented."""
         if any(isinstance(item, BaseException) for item in items):
             items = self._settle(positions, items)
         self.counters.dataset.samples += len(items)
         return items if self.augment is None else [self._augmented(item) for item in items]
+
+    def _fill(self, positions: list[int]) -> Filled | list[Any]:
+        """Make and cache the samples of ``positions`` missing from the cache: :class:`Filled`
+        when all are there now (each counted as a cache hit or miss here), else the batch's
+        items (failures in their slots) to settle here as usual. Nothing is made twice."""
+        cache = self.cache
+        if cache is None or not self.fillable():
+            return self._items(positions)
+        there = cache.contains_many(self._cache_names(positions))
+        missing = list(dict.fromkeys(p for p, hit in zip(positions, there, strict=True) if not hit))
+        cache.counters.hits += len(positions) - len(missing)
+        made = dict(zip(missing, self._items(missing) if missing else [], strict=True))
+        if not any(isinstance(item, BaseException) for item in made.values()):
+            return Filled(positions)
+        rest = [p for p in dict.fromkeys(positions) if p not in made]
+        made.update(zip(rest, self._items(rest) if rest else [], strict=True))
+        return [made[p] for p in positions]
+
+    def fillable(self) -> bool:
+        """Whether DataLoader workers may only fill the cache and leave the reads to the loop's
+        process: reads go through a cache that keeps what is made, and nothing is done per
+        read (``augment``)."""
+        cache = self.cache
+        return (
+            cache is not None
+            and self._reads_cache()
+            and not cache.read_only
+            and not cache.full
+            and self.augment is None
+        )
+
+    def _reads_cache(self) -> bool:
+        return self.cache is not None
+
+    def read_filled(self, filled: Filled) -> list[Any]:
+        """The samples of a worker's :class:`Filled` batch, read from the cache here."""
+        return self._settled(filled.indices, self._items(filled.indices, "filled"))
 
     def _augmented(self, item: Any) -> Any:
         augment = self.augment
@@ -265,7 +335,7 @@ class _Batched(Dataset[Any]):
         def run() -> None:
             names = self._cache_names(missing)
             with self._handoff_here().making(names) if hold else contextlib.nullcontext():
-                self._items(missing, ahead=hold)
+                self._items(missing, "ahead" if hold else "read")
 
         return executor.submit(run)
 
@@ -478,19 +548,22 @@ class RemoteDataset(_Batched):
     def __repr__(self) -> str:
         return f"RemoteDataset({self.source.root!r}, n={len(self)}, cache={self.cache!r})"
 
-    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
-        if self.cache is not None and self.on_change != "refresh":
-            return self._cached(indices, ahead)
+    def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
+        if self._reads_cache():
+            return self._cached(indices, how)
         return self._samples([self._sample(i) for i in indices])
 
-    def _cached(self, indices: list[int], ahead: bool) -> list[Any]:
+    def _reads_cache(self) -> bool:
+        return self.cache is not None and self.on_change != "refresh"
+
+    def _cached(self, indices: list[int], how: Read) -> list[Any]:
         """:meth:`_samples` through the cache, with no :class:`Sample` made for a sample the
         cache holds (they cost a warm batch about a tenth of its CPU)."""
         found = self.source.identities(indices)
         made = self._get_many(
             self._names(found),
             lambda positions: self._produce([self._sample(indices[p]) for p in positions]),
-            ahead,
+            how,
         )
         return self._with_labels(made, [label for _, _, label in found])
 
@@ -835,9 +908,9 @@ class CachedDataset(_Batched):
     def __repr__(self) -> str:
         return f"CachedDataset({self.dataset!r}, {self.cache!r})"
 
-    def _items(self, indices: list[int], ahead: bool = False) -> list[Any]:
+    def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         names = self._cache_names(indices)
-        return self._get_many(names, lambda pos: self._compute([indices[p] for p in pos]), ahead)
+        return self._get_many(names, lambda pos: self._compute([indices[p] for p in pos]), how)
 
     def _cache_names(self, indices: list[int]) -> list[str]:
         return [Cache.name(self._display(i), "", self.fingerprint) for i in indices]

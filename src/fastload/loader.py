@@ -31,6 +31,7 @@ import torch
 import torch.utils.data as tud
 
 from fastload import _collate
+from fastload.dataset import Filled
 from fastload.device._batch import pinned
 from fastload.errors import ConfigError
 from fastload.ranks import rank_world
@@ -160,6 +161,10 @@ class DataLoader(tud.DataLoader[Any]):
             if auto_collation
             else tud.default_convert
         )
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # workers fill the cache, this process reads it (see _fills)
+        fills = bool(workers) and collate_fn is None and auto_collation and not pin
+        fills = fills and _fills(dataset)
         prefetch = _prefetch(dataset, lookahead)
         factor = prefetch_factor if prefetch_factor or not workers else 4
         # with workers, each batch tells its worker which batch to cache ahead (see _Ahead)
@@ -170,7 +175,7 @@ class DataLoader(tud.DataLoader[Any]):
             sampler = _Lookahead(sampler, prefetch, lookahead, batch_size or 1, handed)
         if workers:
             collate = _WorkerCollate(collate)
-            worker_init_fn = _WorkerInit(worker_init_fn)
+            worker_init_fn = _WorkerInit(worker_init_fn, fills)
             if multiprocessing_context is None:
                 multiprocessing_context = _fork_safe_context(dataset, collate, worker_init_fn)
         super().__init__(
@@ -181,7 +186,7 @@ class DataLoader(tud.DataLoader[Any]):
             batch_sampler=batch_sampler,  # type: ignore[arg-type]
             num_workers=workers,
             collate_fn=collate,
-            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+            pin_memory=pin,
             drop_last=drop_last,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -193,6 +198,7 @@ class DataLoader(tud.DataLoader[Any]):
         )
         self.background = background
         self.lookahead = lookahead
+        self.fills = fills
         self.meter = Meter(hooks, log_every, self.batch_size)
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
@@ -219,7 +225,9 @@ class DataLoader(tud.DataLoader[Any]):
         self._pass_start = self.counters
         self._before_fork()
         batches: Iterator[Any] = super().__iter__()
-        if self.num_workers == 0 and self.background:
+        if self.num_workers:
+            batches = self._unwrapped(batches)
+        if self.background and (self.num_workers == 0 or self.fills):  # reads in this process
             batches = iter(_Background(batches, depth=2))
         return self._deliver(batches)
 
@@ -234,7 +242,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
         try:
-            for item in self.meter.timed(self._unwrapped(batches)):
+            for item in self.meter.timed(batches):
                 self._consumed += 1
                 yield item
         finally:  # left early (break, an exception): stop the producers before going on
@@ -247,11 +255,13 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
         for item in batches:
-            if isinstance(item, _Counted):
-                self._worker_counters.merge(item.counters)
-                yield item.batch
-            else:
-                yield item
+            batch = item
+            if isinstance(batch, _Counted):
+                self._worker_counters.merge(batch.counters)
+                batch = batch.batch
+            if isinstance(batch, Filled):  # made and cached by a worker: read here
+                batch = _collate.collate(self.dataset.read_filled(batch))  # type: ignore[attr-defined]
+            yield batch
 
     # -- metrics -------------------------------------------------------------------------------
     @property
@@ -367,8 +377,8 @@ class _WorkerCollate:
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, samples: list[Any]) -> Any:
-        batch = self.collate(samples)
+    def __call__(self, samples: list[Any] | Filled) -> Any:
+        batch = samples if isinstance(samples, Filled) else self.collate(samples)
         counters = _worker_counters()
         return batch if counters is None else _Counted(batch, counters.drain())
 
@@ -376,13 +386,15 @@ class _WorkerCollate:
 class _WorkerInit:
     """Start each worker's counters at zero (a worker's dataset copy carries the parent's)."""
 
-    def __init__(self, user: Callable[[int], None] | None) -> None:
-        self.user = user
+    def __init__(self, user: Callable[[int], None] | None, fills: bool = False) -> None:
+        self.user, self.fills = user, fills
 
     def __call__(self, worker_id: int) -> None:
         counters = _worker_counters()
         if counters is not None:
             counters.drain()
+        if self.fills:
+            tud.get_worker_info().dataset.fills_only = True  # type: ignore[union-attr]
         if self.user is not None:
             self.user(worker_id)
 
@@ -604,6 +616,20 @@ class _Background:
 
 
 atexit.register(_Background.close_all)
+
+
+def _fills(dataset: object) -> bool:
+    """Whether workers should only fill ``dataset``'s cache and leave the reading to the loop's
+    process (:meth:`fastload.RemoteDataset.fillable`).
+
+    A warm batch is then a look at the cache's index in a worker and one read in this process,
+    where a worker's batch would cross into this process through fresh shared memory (its
+    allocation and a page fault per 4 KB on both sides cost more than the read). Not with
+    ``pin_memory`` (torch's pinning thread would be bypassed) or a ``collate_fn`` of the
+    user's (which may expect to run in a worker).
+    """
+    fillable = getattr(dataset, "fillable", None)
+    return callable(fillable) and bool(fillable())
 
 
 def _prefetch(dataset: object, depth: int) -> Callable[[Any], Future[None]] | None:

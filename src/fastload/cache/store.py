@@ -531,30 +531,39 @@ class Cache:
         return value
 
     def get_many(
-        self, names: Sequence[str], compute: Callable[[list[int]], Sequence[Any]]
+        self,
+        names: Sequence[str],
+        compute: Callable[[list[int]], Sequence[Any]],
+        *,
+        counted: bool = True,
     ) -> list[Any]:
         """The samples for ``names``; ``compute(positions)`` makes the missing ones.
 
         Across threads and processes each missing name is computed once: the others wait and
         then read it. ``compute`` returns one value per position; a value that is an exception
-        is handed back in its slot and not cached.
+        is handed back in its slot and not cached. ``counted=False``: no hit, miss or wait is
+        counted (the samples were counted where they were looked up first: a DataLoader
+        worker that filled the cache); what is made and written still is.
         """
+        tally = self.counters if counted else CacheStats()
         digests = [self._digest(n) for n in names]
         out = self._load_all(digests)
         first: dict[str, int] = {}
         for i, value in enumerate(out):
-            self._count(value is not _MISSING)
             if value is _MISSING:
+                tally.misses += 1
                 first.setdefault(digests[i], i)
+            else:
+                tally.hits += 1
         if first and self.read_only:
             positions = sorted(first.values())
             for i, value in zip(positions, compute(positions), strict=True):
                 out[i] = value  # served, never stored
         elif first:
             ours, theirs = self._claim(first)
-            self._fill(out, names, digests, ours, compute)
-            left = self._wait_for(theirs, out, digests)
-            self._fill(out, names, digests, left, compute)
+            self._fill(out, names, digests, ours, compute, tally=tally)
+            left = self._wait_for(theirs, out, digests, tally)
+            self._fill(out, names, digests, left, compute, tally=tally)
         for i, value in enumerate(out):
             if value is _MISSING:  # a name given twice in one call
                 out[i] = out[first[digests[i]]]
@@ -576,7 +585,11 @@ class Cache:
         return ours, theirs
 
     def _wait_for(
-        self, theirs: dict[int, EntryLock], out: list[Any], digests: list[str]
+        self,
+        theirs: dict[int, EntryLock],
+        out: list[Any],
+        digests: list[str],
+        tally: CacheStats,
     ) -> dict[int, EntryLock]:
         """Wait (in digest order: no deadlock) for entries others hold; keep those still missing
         (their holder failed, or only read: a zarr reader's shared lock also blocks a claim)."""
@@ -589,7 +602,7 @@ class Cache:
                 if out[i] is _MISSING:
                     left[i] = lock  # ours to compute: not a wait
                 else:
-                    self.counters.waits += 1
+                    tally.waits += 1
                     lock.release(remove=True)
         except BaseException:
             for lock in left.values():
@@ -604,6 +617,8 @@ class Cache:
         digests: list[str],
         locked: dict[int, EntryLock],
         compute: Callable[[list[int]], Sequence[Any]],
+        *,
+        tally: CacheStats,
     ) -> None:
         """Compute and store the positions in ``locked`` (whose locks we hold), then unlock."""
         try:
@@ -615,7 +630,7 @@ class Cache:
                 if value is _MISSING:
                     todo.append(i)
                 else:
-                    self.counters.waits += 1
+                    tally.waits += 1
             if not todo:
                 return
             values = list(compute(todo))
