@@ -370,6 +370,29 @@ def test_cuda_channels_last_and_dtype_keep_values_and_integer_labels() -> None:
     assert batch["name"] == ["a", "b", "c", "d"]
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_workers_fill_the_cache_and_the_loading_thread_pins_the_batch(
+    tmp_path: Path,
+) -> None:
+    """With a cache, workers fill it and the loop's process reads each batch back; with
+    ``pin_memory`` (the default on CUDA) the loading thread pins it, as torch's pinning thread
+    pins a worker's batch, so DeviceLoader's copies stay asynchronous."""
+    (tmp_path / "data").mkdir()
+    for i in range(40):
+        np.save(tmp_path / "data" / f"{i:03d}.npy", np.full((3, 8, 8), i, np.float32))
+    dataset = RemoteDataset(
+        f"file://{tmp_path / 'data'}", decode="npy", cache=Cache(tmp_path / "cache")
+    )
+    loader = fastload.DataLoader(dataset, batch_size=8, num_workers=2)
+    assert loader.fills and loader.pin_memory
+    for _ in range(2):  # cold, then warm
+        host = list(loader)
+        assert all(batch.is_pinned() for batch in host)
+        on_device = [batch[:, 0, 0, 0].cpu() for batch in DeviceLoader(loader, "cuda")]
+        assert sorted(int(v) for batch in on_device for v in batch) == list(range(40))
+
+
 def _nccl_rank(rank: int, world: int, port: int, root: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world)

@@ -462,11 +462,13 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     in the same order, as without workers; each sample counted once as a hit or a miss."""
     root, options = remote
 
-    def loader(workers: int, cache: Path) -> fastload.DataLoader:
+    def loader(workers: int, cache: Path, **kwargs: Any) -> fastload.DataLoader:
         dataset = RemoteDataset(
             root, decode="npy", cache=Cache(cache, format="npy"), storage_options=options
         )
-        return fastload.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=workers, seed=3)
+        return fastload.DataLoader(
+            dataset, batch_size=8, shuffle=True, num_workers=workers, seed=3, **kwargs
+        )
 
     def batches(source: fastload.DataLoader) -> list[list[int]]:
         return [[int(v) for v in batch[:, 0, 0]] for batch in source]
@@ -483,6 +485,11 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     epoch = filling.report().counters
     assert epoch is not None and epoch.cache.hits == 48 and epoch.cache.misses == 0
     assert epoch.fetch.objects == 0
+    # pin_memory on a machine without an accelerator: nothing to pin, as torch's loader does
+    pinning = loader(2, tmp_path / "filled", pin_memory=True)
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="no accelerator is found"):
+            assert batches(pinning) == cold
 
 
 def test_workers_fill_only_where_reading_back_gives_the_same_batch(
@@ -505,7 +512,7 @@ def test_workers_fill_only_where_reading_back_gives_the_same_batch(
     assert fills()
     assert not fills(augment=lambda x: x + 1)  # done per read: stays in the workers
     assert not fills(on_change="refresh")  # reads bypass the cache
-    assert not fills(pin_memory=True)  # torch's pinning thread pins workers' batches
+    assert fills(pin_memory=True)  # pinned by the loading thread where it can be
     assert not fills(collate_fn=torch.utils.data.default_collate)
     Cache(tmp_path / "ro").put("x", np.zeros(1))
     assert not fills(cache=Cache(tmp_path / "ro", read_only=True))  # keeps nothing made

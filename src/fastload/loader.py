@@ -166,7 +166,7 @@ class DataLoader(tud.DataLoader[Any]):
         )
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         # workers fill the cache, this process reads it (see _fills)
-        fills = bool(workers) and collate_fn is None and auto_collation and not pin
+        fills = bool(workers) and collate_fn is None and auto_collation
         fills = fills and _fills(dataset)
         prefetch = _prefetch(dataset, lookahead)
         factor = prefetch_factor if prefetch_factor or not workers else 4
@@ -202,6 +202,7 @@ class DataLoader(tud.DataLoader[Any]):
         self.background = background
         self.lookahead = lookahead
         self.fills = fills
+        self._pins = fills and pin and _accelerated()
         self.meter = Meter(hooks, log_every, self.batch_size)
         self._consumed = 0  # batches handed to the loop in the current pass
         self._worker_counters = StageCounters()
@@ -264,6 +265,8 @@ class DataLoader(tud.DataLoader[Any]):
                 batch = batch.batch
             if isinstance(batch, Filled):  # made and cached by a worker: read here
                 batch = _collate.collate(self.dataset.read_filled(batch))  # type: ignore[attr-defined]
+                if self._pins:
+                    batch = pinned(batch)  # what torch's pinning thread does for workers' batches
             yield batch
 
     # -- metrics -------------------------------------------------------------------------------
@@ -627,12 +630,17 @@ def _fills(dataset: object) -> bool:
 
     A warm batch is then a look at the cache's index in a worker and one read in this process,
     where a worker's batch would cross into this process through fresh shared memory (its
-    allocation and a page fault per 4 KB on both sides cost more than the read). Not with
-    ``pin_memory`` (torch's pinning thread would be bypassed) or a ``collate_fn`` of the
-    user's (which may expect to run in a worker).
+    allocation and a page fault per 4 KB on both sides cost more than the read). Not with a
+    ``collate_fn`` of the user's (which may expect to run in a worker).
     """
     fillable = getattr(dataset, "fillable", None)
     return callable(fillable) and bool(fillable())
+
+
+def _accelerated() -> bool:
+    """Whether pinned memory can be had (torch's loader skips ``pin_memory`` otherwise)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return bool(accelerator.is_available() if accelerator else torch.cuda.is_available())
 
 
 def _prefetch(dataset: object, depth: int) -> Callable[[Any], Future[None]] | None:
