@@ -92,9 +92,9 @@ class DataLoader(tud.DataLoader[Any]):
       workers in this process, with workers in the workers themselves (each batch a worker
       gets names a batch ``lookahead`` beyond those already handed out, for it to cache), so
       a cold epoch's fetching, decoding and preprocessing spread over the workers;
-    - with workers and a cache (and neither ``pin_memory`` nor a ``collate_fn`` of the user's),
-      the workers fill the cache and this process reads each batch from it in its loading
-      thread (``fills``): a warm batch does not cross through fresh shared memory.
+    - with workers and a cache (and no ``collate_fn`` of the user's), the workers fill the
+      cache and this process reads each batch from it in its loading thread (``fills``), and
+      pins it there with ``pin_memory``: a warm batch does not cross through fresh shared memory.
 
     :meth:`state_dict` records the next sample the loop has not seen (batches prefetched by
     workers are not counted); :meth:`load_state_dict` resumes there in O(1).
