@@ -100,9 +100,9 @@ class _Batched(Dataset[Any]):
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
     fills_only = False
-    """Set in a DataLoader worker whose loop's process reads the cache itself: a batch's
-    samples are made and cached here, and the worker answers :class:`Filled` (see
-    :func:`fastload.loader`'s fill mode)."""
+    """Set in a fastload.DataLoader worker when the loop's process reads the cache itself
+    (``loader.fills``): a batch's samples are made and cached here, and the answer is
+    :class:`Filled`."""
 
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         """The samples at ``indices`` (a failure sits in its slot as an exception); ``how``:
