@@ -390,7 +390,8 @@ class _WorkerCollate:
 
 
 class _WorkerInit:
-    """Start each worker's counters at zero (a worker's dataset copy carries the parent's)."""
+    """Start each worker's counters at zero (a worker's dataset copy carries the parent's);
+    with ``fills``, make the worker's dataset only fill the cache (``DataLoader.fills``)."""
 
     def __init__(self, user: Callable[[int], None] | None, fills: bool = False) -> None:
         self.user, self.fills = user, fills
