@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler
 import fastload
 from fastload import Cache, ConfigError, DecodeError, PermutationSampler, RemoteDataset
 from fastload.loader import _Ahead, _fork_safe_context, _Pass, default_workers
+from fastload.stall import _first_batch_why
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
@@ -546,6 +547,53 @@ def test_a_filling_worker_settles_a_batch_with_a_failed_sample(
     assert counters is not None and counters.dataset.skipped == 1
     assert any("0005.npy" in key for key in counters.dataset.skipped_keys)
     assert counters.fetch.objects == 16
+
+
+def test_each_workers_start_is_counted_and_named_for_a_slow_first_batch(tmp_path: Path) -> None:
+    """How long each worker took to start (a forkserver's first start imports torch once
+    more: 4-6 s on a GPU machine) is counted once, and names what a first batch waited for."""
+    (tmp_path / "data").mkdir()
+    for i in range(16):
+        np.save(tmp_path / "data" / f"{i:02d}.npy", np.full(8, i, np.float32))
+    dataset = RemoteDataset(
+        f"file://{tmp_path / 'data'}", decode="npy", cache=Cache(tmp_path / "cache")
+    )
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2)
+    list(loader)
+    list(loader)  # persistent workers: no new start to count
+    counters = loader.counters
+    assert counters is not None and counters.dataset.worker_start.count == 2
+    assert loader.stats()["dataset"]["worker_start_mean_s"] > 0
+    assert "2 workers took" in _first_batch_why(counters)
+    assert _first_batch_why(None) == "worker start-up and the first fetches"
+
+
+class SlowToStart:
+    """Batches (of indices, or of data) whose ``iter()`` takes 0.3 s, as a loader's does while
+    its workers start."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        time.sleep(0.3)
+        return iter(self.batches)
+
+
+def test_the_time_iter_takes_counts_in_the_first_batch_wait() -> None:
+    """Workers start inside ``iter(loader)``, before the first ``next()``: that time belongs
+    to the first batch's wait, under a DeviceLoader too (it was not timed at all)."""
+    data = list(range(8))
+    order = SlowToStart([[0, 1, 2, 3], [4, 5, 6, 7]])
+    loader = fastload.DataLoader(data, batch_sampler=order, num_workers=0)
+    list(loader)
+    assert loader.report().first_batch_s >= 0.3
+    device_loader = fastload.DeviceLoader(SlowToStart([torch.zeros(2)] * 3), "cpu")
+    list(device_loader)
+    assert device_loader.report().first_batch_s >= 0.3
 
 
 def test_the_shuffle_follows_seed_and_says_so_when_a_generator_is_given(

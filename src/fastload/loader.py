@@ -228,12 +228,15 @@ class DataLoader(tud.DataLoader[Any]):
         self._consumed = 0
         self._pass_start = self.counters
         self._before_fork()
+        started = time.perf_counter()
+        if isinstance(self.worker_init_fn, _WorkerInit):
+            self.worker_init_fn.started = time.time()  # workers start below (if not running)
         batches: Iterator[Any] = super().__iter__()
         if self.num_workers:
             batches = self._unwrapped(batches)
         if self.background and (self.num_workers == 0 or self.fills):  # reads in this process
             batches = iter(_Background(batches, depth=2))
-        return self._deliver(batches)
+        return self._deliver(batches, time.perf_counter() - started)
 
     def _before_fork(self) -> None:
         """Workers forked while a dataset's listing check talks to the store would copy its
@@ -244,9 +247,10 @@ class DataLoader(tud.DataLoader[Any]):
         if self.num_workers and forks and isinstance(check, Future) and not check.done():
             wait([check], timeout=_FORK_WAIT)
 
-    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _deliver(self, batches: Iterator[Any], starting: float) -> Iterator[Any]:
+        """``batches`` timed (``starting``: seconds iter() took, workers started in it)."""
         try:
-            for item in self.meter.timed(batches):
+            for item in self.meter.timed(batches, before=starting):
                 self._consumed += 1
                 yield item
         finally:  # left early (break, an exception): stop the producers before going on
@@ -390,8 +394,11 @@ class _WorkerCollate:
 
 
 class _WorkerInit:
-    """Start each worker's counters at zero (a worker's dataset copy carries the parent's);
-    with ``fills``, make the worker's dataset only fill the cache (``DataLoader.fills``)."""
+    """Start each worker's counters at zero (a worker's dataset copy carries the parent's) and
+    count how long it took to start (since ``started``, when the loader's pass began); with
+    ``fills``, make the worker's dataset only fill the cache (``DataLoader.fills``)."""
+
+    started = 0.0
 
     def __init__(self, user: Callable[[int], None] | None, fills: bool = False) -> None:
         self.user, self.fills = user, fills
@@ -400,6 +407,8 @@ class _WorkerInit:
         counters = _worker_counters()
         if counters is not None:
             counters.drain()
+            if self.started:
+                counters.dataset.worker_start.add(max(0.0, time.time() - self.started))
         if self.fills:
             tud.get_worker_info().dataset.fills_only = True  # type: ignore[union-attr]
         if self.user is not None:

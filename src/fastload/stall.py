@@ -112,17 +112,19 @@ class Meter:
         self._window = [0.0, 0.0, 0.0]  # wait, step, samples since the last hook call
         self._waiting = False  # inside a timed next(): a pass started now is nested in it
 
-    def timed(self, batches: Iterator[T]) -> Iterator[T]:
-        """Yield ``batches`` unchanged, timing each wait and each step between them."""
+    def timed(self, batches: Iterator[T], *, before: float = 0.0) -> Iterator[T]:
+        """Yield ``batches`` unchanged, timing each wait and each step between them;
+        ``before``: seconds the pass already waited to start (its workers starting), counted
+        in its first batch's wait."""
         if self._waiting:  # started while an outer pass on this meter waits for a batch
             return batches
         self.epoch = StepStats()
-        return self._timed(batches)
+        return self._timed(batches, before)
 
-    def _timed(self, batches: Iterator[T]) -> Iterator[T]:
+    def _timed(self, batches: Iterator[T], before: float) -> Iterator[T]:
         handed_out: float | None = None
         while True:
-            asked = time.perf_counter()
+            asked = time.perf_counter() - (before if handed_out is None else 0.0)
             if handed_out is not None:
                 self._step(asked - handed_out)
             self._waiting = True
@@ -266,7 +268,7 @@ def stall_report(
     if steps.steady_wait_share <= data_bound_above:  # only the first batch made it so
         cause = (
             f"the first batch: {first}, {steps.first_batch_s / elapsed:.0%} of the time "
-            f"(worker start-up and the first fetches; later batches waited "
+            f"({_first_batch_why(counters)}; later batches waited "
             f"{steps.steady_wait_share:.1%} of the time)"
         )
     else:
@@ -301,6 +303,17 @@ def window_report(
     if counters is not None and pass_start is not None:
         counters = counters.since(pass_start)
     return stall_report(meter.epoch, counters, window=this_pass, data_bound_above=data_bound_above)
+
+
+def _first_batch_why(counters: StageCounters | None) -> str:
+    """What a first batch waited for: the workers' start when it was counted, then fetches."""
+    started = counters.dataset.worker_start if counters is not None else None
+    if started is None or not started.count:
+        return "worker start-up and the first fetches"
+    return (
+        f"{started.count} workers took {started.total / started.count:.2f} s on average to "
+        "start, then the first fetches"
+    )
 
 
 def _cause(steps: StepStats, counters: StageCounters | None) -> str:

@@ -127,6 +127,8 @@ class DatasetStats:
     prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
     # CachedDataset: the wrapped dataset making a missing sample (its own reads included)
     compute: Histogram = field(default_factory=Histogram)
+    # a fastload.DataLoader worker's start: from the loader's iter() to its worker_init_fn
+    worker_start: Histogram = field(default_factory=Histogram)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -139,6 +141,8 @@ class DatasetStats:
             "prepare_total_s": self.prepare.total,
             "compute_p50_ms": self.compute.percentile(50) * 1e3,
             "compute_total_s": self.compute.total,
+            "workers_started": self.worker_start.count,
+            "worker_start_mean_s": self.worker_start.total / max(self.worker_start.count, 1),
         }
 
 

@@ -104,7 +104,7 @@ class DeviceLoader:
         kind = self.device.type
         if kind == "cuda":
             return cuda_batches(
-                iter(self.loader),
+                self._source(),
                 self.device,
                 prefetch=self.prefetch,
                 non_blocking=self.non_blocking,
@@ -117,7 +117,12 @@ class DeviceLoader:
             if self.dtype is None and not self.channels_last:
                 return uploads
             return (map_tensors(batch, self._convert) for batch in uploads)
-        return (map_tensors(batch, self._move) for batch in self.loader)
+        return (map_tensors(batch, self._move) for batch in self._source())
+
+    def _source(self) -> Iterator[Any]:
+        """The loader's batches, its ``iter()`` (where workers start) run at the first
+        ``next()``: inside the first batch's timed wait."""
+        yield from self.loader
 
     def _move(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._convert(tensor.to(self.device, non_blocking=self.non_blocking))
