@@ -156,8 +156,9 @@ class _Moved:
     def __init__(self, loader: TorchLoader[Any], device: torch.device, non_blocking: bool) -> None:
         self.loader, self.device, self.non_blocking = loader, device, non_blocking
 
-    def __iter__(self) -> Iterator[Any]:
-        return (b.to(self.device, non_blocking=self.non_blocking) for b in self.loader)
+    def __iter__(self) -> Iterator[Any]:  # a generator: the loader's iter() (its workers
+        for batch in self.loader:  # starting) is timed in the first wait, as DeviceLoader's is
+            yield batch.to(self.device, non_blocking=self.non_blocking)
 
 
 def _timed(loader: Iterable[Any], step: Step, epochs: int) -> dict[str, Any]:
