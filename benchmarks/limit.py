@@ -8,10 +8,16 @@ the same samples as .npy files (``file://``; the source does not matter once war
 True)`` at 0, 2 and 4 workers (persistent), after one epoch that fills the cache. Both run in
 this process, ``repeats`` times, interleaved; medians. CPU per sample is the user + system time
 of this process and its workers (``fastload.testing.tree_cpu_seconds``) over the epoch.
+
+The floor is what any reader that keeps samples as checked entries read one at a time must do,
+and nothing else: per sample, a hash of its name looked up in a dict, one ``preadv`` of the
+entry's head, blob and tail into a row of a reused batch array, and its CRC32C checked (the
+entries written side by side in one file). fastload's warm path is that plus its bookkeeping.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import tempfile
@@ -22,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from crc32c import crc32c
 
 import fastload
 from fastload import Cache, RemoteDataset
@@ -30,6 +37,11 @@ from fastload.testing import tree_cpu_seconds
 SHAPE = (3, 160, 160)
 BATCH = 256
 WORKERS = (0, 2, 4)
+_HEAD, _TAIL = 64, 8  # about the bytes around a cache entry's blob: name check; CRC32C
+
+
+def _name(i: int) -> bytes:
+    return f"file:///data/objects/shard-{i % 16:02d}/{i:06d}.npy|v{i}|npy|fingerprint".encode()
 
 
 def _sample(i: int) -> np.ndarray:
@@ -47,6 +59,43 @@ def _write(folder: Path, n: int) -> Path:
         np.save(shard / f"{i:06d}.npy", sample)
     limit.flush()
     return folder / "all.npy"
+
+
+def _write_entries(path: Path, n: int) -> None:
+    """The samples as checked entries side by side: head (the name's digest), blob, CRC32C."""
+    with path.open("wb") as out:
+        for i in range(n):
+            head = hashlib.sha256(_name(i)).digest().ljust(_HEAD, b"\0")
+            blob = _sample(i).tobytes()
+            out.write(head + blob + crc32c(blob, crc32c(head)).to_bytes(_TAIL, "little"))
+
+
+def _floor_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
+    size = int(np.prod(SHAPE))
+    length = _HEAD + size + _TAIL
+    index = {hashlib.sha256(_name(i)).digest(): i * length for i in range(n)}
+    fd = os.open(path, os.O_RDONLY)
+    rows = np.empty((BATCH, size), np.uint8)
+    heads, tails = memoryview(bytearray(BATCH * _HEAD)), memoryview(bytearray(BATCH * _TAIL))
+    flat = rows.reshape(-1).data
+    rng = np.random.default_rng(0)
+
+    def batch(indices: list[int]) -> torch.Tensor:
+        for r, i in enumerate(indices):
+            key = hashlib.sha256(_name(i)).digest()
+            head, tail = heads[r * _HEAD : (r + 1) * _HEAD], tails[r * _TAIL : (r + 1) * _TAIL]
+            row = flat[r * size : (r + 1) * size]
+            if os.preadv(fd, [head, row, tail], index[key]) != length or head[:32] != key:
+                raise AssertionError(f"floor: entry {i} is not its sample's")
+            if crc32c(row, crc32c(head)) != int.from_bytes(tail, "little"):
+                raise AssertionError(f"floor: entry {i} fails its checksum")
+        return torch.from_numpy(rows[: len(indices)]).view(-1, *SHAPE)
+
+    def batches() -> Iterable[Any]:
+        order = rng.permutation(n).tolist()
+        return (batch(order[s : s + BATCH]) for s in range(0, n, BATCH))
+
+    return batches
 
 
 def _memmap_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
@@ -77,6 +126,10 @@ def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
         readers: dict[str, Callable[[], Iterable[Any]]] = {
             "limit: np.memmap of all samples, shuffled batches": _memmap_epoch(_write(folder, n), n)
         }
+        _write_entries(folder / "entries", n)
+        readers["floor: one preadv and CRC32C per entry, nothing else"] = _floor_epoch(
+            folder / "entries", n
+        )
         dataset = RemoteDataset(
             f"file://{folder}/objects", decode="npy", cache=Cache(folder / "cache", format="npy")
         )
