@@ -223,8 +223,8 @@ def test_quantile_normalize_leaves_a_masked_background_out() -> None:
     """A volume whose background is NaN (skull-stripped, masked): np.percentile gave NaN
     percentiles, so every voxel came out NaN. The NaNs are now left out of the estimate and
     stay NaN; a volume without NaN is normalised exactly as before."""
-    volume = np.random.default_rng(0).normal(100, 20, (16, 32, 32)).astype(np.float32)
-    low, high = np.percentile(volume[::4, ::4, ::4], [0.5, 99.5])
+    volume = np.random.default_rng(0).normal(100, 20, (16, 64, 64)).astype(np.float32)
+    low, high = np.percentile(volume[:, ::4, ::4], [0.5, 99.5])  # 16 slices: all of them
     plain = QuantileNormalize()(volume)
     np.testing.assert_allclose(plain, np.clip((volume - low) / (high - low), 0, 1), atol=1e-6)
     masked = volume.copy()
@@ -235,11 +235,11 @@ def test_quantile_normalize_leaves_a_masked_background_out() -> None:
 
 
 def test_quantile_normalize_a_region_the_stride_misses_is_not_turned_to_nan() -> None:
-    """A masked volume whose only valid voxels lie between the strided ones (3 of 16 slices,
+    """A masked volume whose only valid voxels lie between the strided ones (3 of 64 slices,
     none a multiple of 4): the estimate found no finite value and every valid voxel came out
     NaN, with only numpy's warning. It is now taken on every element."""
     rng = np.random.default_rng(1)
-    volume = np.full((16, 32, 32), np.nan, np.float32)
+    volume = np.full((64, 32, 32), np.nan, np.float32)
     volume[1:4, 5:30, 5:30] = rng.normal(100, 20, (3, 25, 25))
     valid = volume[1:4, 5:30, 5:30]
     low, high = np.percentile(valid, [0.5, 99.5])
@@ -255,24 +255,47 @@ def test_quantile_normalize_a_region_the_stride_misses_is_not_turned_to_nan() ->
 def test_quantile_normalize_leaves_infinities_out_of_the_estimate() -> None:
     """Two +inf voxels among the 256 strided ones (0.8%, above the 99.5th percentile) made the
     high percentile infinite and every finite voxel 0.0. Infinities now sit past the ends."""
-    volume = np.random.default_rng(2).normal(100, 20, (16, 32, 32)).astype(np.float32)
-    volume[0, 0, 0] = volume[0, 0, 4] = np.inf
-    volume[0, 0, 8] = -np.inf
-    probe = volume[::4, ::4, ::4]
+    volume = np.random.default_rng(2).normal(100, 20, (64, 64, 1)).astype(np.float32)
+    volume[0, 0, 0] = volume[0, 4, 0] = np.inf
+    volume[0, 8, 0] = -np.inf
+    probe = volume[::4, ::4]
     low, high = np.percentile(probe[np.isfinite(probe)], [0.5, 99.5])
     out = QuantileNormalize()(volume)
     finite = np.isfinite(volume)
     np.testing.assert_allclose(
         out[finite], np.clip((volume[finite] - low) / (high - low), 0, 1), atol=1e-6
     )
-    assert out[0, 0, 0] == 1.0 and out[0, 0, 8] == 0.0
+    assert out[0, 0, 0] == 1.0 and out[0, 8, 0] == 0.0
     unclipped = QuantileNormalize(clip=False)(volume)
-    assert unclipped[0, 0, 0] == np.inf and unclipped[0, 0, 8] == -np.inf
+    assert unclipped[0, 0, 0] == np.inf and unclipped[0, 8, 0] == -np.inf
     with pytest.raises(ConfigError, match="clip must be a bool, got 'no'"):
         QuantileNormalize(clip="no")  # type: ignore[arg-type]  # it clipped: "no" is truthy
     with pytest.raises(ConfigError, match="low must be a number, got '1'"):
         QuantileNormalize(low="1")  # type: ignore[arg-type]  # a TypeError comparing it
     assert QuantileNormalize(np.float32(1), np.int64(99)).high == 99
+
+
+def test_quantile_normalize_estimates_on_every_channel_and_thin_slice() -> None:
+    """A stride of 4 over a short axis read only every 4th channel: a 5-channel field's
+    percentiles came from channels 0 and 4, and the brighter channel 2 was clipped to 1.0 in
+    every pixel. A short axis is now read whole (its long axes still strided), and an image's
+    trailing channels too. A sample this changes is made again: the fingerprint changed."""
+    rng = np.random.default_rng(3)
+    field = rng.normal(1_000, 50, (5, 256, 256)).astype(np.float32)
+    field[2] += 20_000  # one bright channel
+    low, high = np.percentile(field[:, ::4, ::4], [0.5, 99.5])
+    out = QuantileNormalize()(field)
+    np.testing.assert_allclose(out, np.clip((field - low) / (high - low), 0, 1), atol=1e-6)
+    assert float((out[2] == 1.0).mean()) < 0.05  # it was all 1.0
+    image = rng.integers(0, 2**16, (128, 128, 3), dtype=np.uint16)
+    image[..., 1] //= 64  # a dim channel, the one a stride of 4 left alone in the estimate
+    low, high = np.percentile(image[::4, ::4, :], [0.5, 99.5])
+    np.testing.assert_allclose(
+        QuantileNormalize()(image), np.clip((image - low) / (high - low), 0, 1), atol=1e-6
+    )
+    small = np.arange(16, dtype=np.int8).reshape(4, 4)  # strided: one element, all came out 0
+    assert float(QuantileNormalize()(small).max()) == 1.0
+    assert QuantileNormalize().fingerprint.endswith("/2")  # samples cached before: made again
 
 
 def test_quantile_normalize_with_nothing_to_spread() -> None:

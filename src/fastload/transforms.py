@@ -257,12 +257,17 @@ class _Params:
         return f"{type(self).__name__}:{_digest(asdict(self))}"  # type: ignore[call-overload]
 
 
+_STRIDED_POSITIONS = 16  # QuantileNormalize strides an axis only where this many are left
+
+
 @dataclass(frozen=True)
 class QuantileNormalize(_Params):
     """Map the ``low``..``high`` percentiles of an array to 0..1 (clipped when ``clip``).
 
-    The percentiles are estimated on every ``stride``-th element along each axis (stride 4 on
-    a 3-D volume reads 1/64 of it), which is what makes this affordable on 200 MB volumes.
+    The percentiles are estimated on every ``stride``-th element along each axis long enough
+    to keep at least 16 positions when strided (stride 4 on a 160x512x512 volume reads 1/64 of
+    it), which is what makes this affordable on 200 MB volumes. A shorter axis (channels, the
+    slices of a thin volume) is read whole, so every channel and slice is in the estimate.
     NaN and infinite elements are left out of the estimate: NaN (a masked background) stays
     NaN, an infinity goes past the ends (to 0 or 1 when clipped). When the strided elements hold
     no finite value (a small region in a masked volume), the estimate uses every element; a
@@ -298,10 +303,15 @@ class QuantileNormalize(_Params):
             np.clip(out, 0.0, 1.0, out=out)
         return torch.from_numpy(out) if isinstance(sample, torch.Tensor) else out
 
+    @property
+    def fingerprint(self) -> str:
+        # /2: short axes are no longer strided (samples cached before are made again)
+        return f"{super().fingerprint}/2"
+
     def _percentiles(self, array: np.ndarray) -> tuple[float, float]:
         """The ``low`` and ``high`` percentiles of the finite strided elements (of all finite
         elements when none of those is); (0, 0) when there is no finite element."""
-        probe = array[(slice(None, None, self.stride),) * array.ndim]
+        probe = array[tuple(slice(None, None, self._step(n)) for n in array.shape)]
         if probe.dtype.kind != "f":  # integers are all finite
             lo, hi = np.percentile(probe, [self.low, self.high])
             return float(lo), float(hi)
@@ -311,6 +321,12 @@ class QuantileNormalize(_Params):
                 lo, hi = np.percentile(finite, [self.low, self.high])
                 return float(lo), float(hi)
         return 0.0, 0.0
+
+    def _step(self, length: int) -> int:
+        """The stride along an axis of ``length``: 1 where striding would leave fewer than
+        ``_STRIDED_POSITIONS`` (a stride of 4 over 5 channels read channels 0 and 4 alone, and
+        scaled the other three by them)."""
+        return self.stride if length >= self.stride * _STRIDED_POSITIONS else 1
 
 
 @dataclass(frozen=True)
