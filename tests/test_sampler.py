@@ -285,6 +285,20 @@ def test_weighted_sampler_balances_classes_deterministically() -> None:
         WeightedSampler([0.0, 0.0], num_samples=3)
 
 
+def test_weighted_sampler_takes_one_weight_or_label_per_sample() -> None:
+    """One-hot labels (n, k) were read flat as n * k labels, and the sampler drew indices up
+    to n * k for a dataset of n: refused, naming the shape. A column (pandas' df[["w"]]) or
+    a row is one per sample and still taken."""
+    one_hot = np.eye(3)[[0, 1, 1, 2]]
+    with pytest.raises(ConfigError, match=r"labels must be one per sample.*\(4, 3\).*argmax"):
+        WeightedSampler.balanced(one_hot)
+    with pytest.raises(ConfigError, match=r"weights must be one per sample.*\(4, 3\)"):
+        WeightedSampler(one_hot, num_samples=4)
+    column = list(WeightedSampler(np.ones((5, 1)), num_samples=50))
+    assert max(column) == 4 and column == list(WeightedSampler(np.ones((1, 5)), num_samples=50))
+    assert max(WeightedSampler.balanced(one_hot.argmax(1)[:, None])) <= 3
+
+
 def test_weighted_sampler_shards_and_resumes() -> None:
     weights = np.linspace(1, 2, 50)
     whole = list(WeightedSampler(weights, 100, seed=1))

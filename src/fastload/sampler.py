@@ -572,7 +572,7 @@ class WeightedSampler(Sampler[int]):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        w = _one_per_sample(np.asarray(weights, dtype=np.float64), "weights")
         if w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
             raise ConfigError("WeightedSampler: weights must be finite, >= 0, with a positive sum")
         if num_samples < 1:
@@ -587,7 +587,7 @@ class WeightedSampler(Sampler[int]):
     @classmethod
     def balanced(cls, labels: Sequence[int] | npt.ArrayLike, **kwargs: Any) -> WeightedSampler:
         """Every class equally likely: weight = 1 / (count of the sample's class)."""
-        y = np.asarray(labels).reshape(-1)
+        y = _one_per_sample(np.asarray(labels), "labels", " (one-hot labels: labels.argmax(1))")
         _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
         kwargs.setdefault("num_samples", y.size)
         return cls(1.0 / counts[inverse], **kwargs)
@@ -613,3 +613,13 @@ class WeightedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._positions.load_state_dict(state)
+
+
+def _one_per_sample(values: np.ndarray, what: str, hint: str = "") -> np.ndarray:
+    """``values`` as one per sample: a column or a row is taken flat, a table refused (read
+    flat, an (n, k) table drew indices up to n * k)."""
+    if sum(length > 1 for length in values.shape) > 1:
+        raise ConfigError(
+            f"WeightedSampler: {what} must be one per sample (1-D), got shape {values.shape}{hint}"
+        )
+    return values.reshape(-1)
