@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import time
 import uuid
 from collections import namedtuple
@@ -223,6 +225,61 @@ def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
     assert cold.counters.fetch.objects == 64
     assert warm.bound == "compute", warm.verdict
     assert warm.counters.cache.hits == 64
+
+
+def _tar_shards(folder: Path, shards: int, per: int, shape: tuple[int, ...]) -> None:
+    """``shards`` tar shards of ``per`` float32 ``.npy`` members each, WebDataset-style keys."""
+    folder.mkdir()
+    for s in range(shards):
+        with tarfile.open(folder / f"train-{s:04d}.tar", "w") as tar:
+            for i in range(s * per, (s + 1) * per):
+                body = io.BytesIO()
+                np.save(body, np.full(shape, i, np.float32))
+                info = tarfile.TarInfo(f"part-{s}/{i:06d}.npy")
+                info.size = body.tell()
+                body.seek(0)
+                tar.addfile(info, body)
+
+
+def _slow_copy(x: np.ndarray) -> np.ndarray:
+    time.sleep(0.008)  # preprocessing of 8 ms a sample
+    return x.copy()
+
+
+def test_report_names_filling_the_cache_not_decoding_when_writes_are_the_wait(
+    tmp_path: Path,
+) -> None:
+    """A cold epoch over tar shards read whole by indexing fetches nothing more: its time is
+    the cache's writes. The report said "decode/transform: p50 0.0 ms per sample; cache the
+    preprocessed samples", for a dataset that was caching them. It names the writes now, and
+    a slow transform, as such, with advice that fits whether a cache is there."""
+    _tar_shards(tmp_path / "tar", 4, 50, (64, 1024))  # 200 samples of 256 KB
+    dataset = RemoteDataset(
+        f"file://{tmp_path / 'tar'}", shards="tar", decode="npy", cache=Cache(tmp_path / "c")
+    )
+    loader = fastload.DataLoader(dataset, batch_size=10, num_workers=0)
+    cold = run(DeviceLoader(loader, "cpu"), step=0.0)
+    assert cold.counters is not None and cold.counters.fetch.objects == 0  # seeded
+    assert cold.counters.cache.write_s > 0 and cold.counters.cache.writes == 200
+    assert cold.cause is not None and cold.cause.startswith("filling the cache: 200 samples")
+    assert "warm-cache" in cold.cause, cold.cause
+    with_cache = RemoteDataset(
+        f"file://{tmp_path / 'tar'}",
+        shards="tar",
+        decode="npy",
+        transform=_slow_copy,
+        cache=Cache(tmp_path / "c2"),
+    )
+    slow_loader = fastload.DataLoader(with_cache, batch_size=10, num_workers=0)
+    slow = run(DeviceLoader(slow_loader, "cpu"), step=0.0)
+    assert slow.cause is not None and slow.cause.startswith("decode/transform"), slow.cause
+    assert "the cache keeps them" in slow.cause
+    uncached = RemoteDataset(
+        f"file://{tmp_path / 'tar'}", shards="tar", decode="npy", transform=_slow_copy
+    )
+    plain_loader = fastload.DataLoader(uncached, batch_size=10, num_workers=0)
+    plain = run(DeviceLoader(plain_loader, "cpu"), step=0.0)
+    assert plain.cause is not None and "cache=fastload.Cache" in plain.cause, plain.cause
 
 
 class SlowStart(Batches):

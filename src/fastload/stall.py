@@ -351,10 +351,23 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             "preprocessing, which fastload cannot see into); warm the cache first "
             "(fastload warm-cache) or read through fastload.RemoteDataset"
         )
-    if prepare.count and prepare.total >= _PREPARE_MATTERS * steps.wait.total:
+    matters = _PREPARE_MATTERS * steps.wait.total
+    if cache.writes and cache.write_s >= max(matters, prepare.total):
         return (
-            f"decode/transform: p50 {prepare.percentile(50) * 1e3:.1f} ms per sample; "
-            "cache the preprocessed samples or add workers"
+            f"filling the cache: {cache.writes} samples ({cache.bytes_written / 2**20:.0f} MiB) "
+            f"took {cache.write_s:.2f} s to write, beside {prepare.total:.2f} s to decode and "
+            "transform (both summed over the threads that made them); later epochs read them "
+            "back; fill it beforehand (fastload warm-cache) or put the cache on faster storage"
+        )
+    if prepare.count and prepare.total >= matters:
+        keep = (
+            "the cache keeps them for later epochs (fastload warm-cache fills it beforehand)"
+            if lookups
+            else "cache the preprocessed samples (cache=fastload.Cache(...))"
+        )
+        return (
+            f"decode/transform: {prepare.total:.2f} s, p50 {prepare.percentile(50) * 1e3:.1f} "
+            f"ms per sample; {keep}, or add workers"
         )
     hit_rate = f"cache hit rate {cache.hits / lookups:.0%}" if lookups else "no cache lookups"
     return (

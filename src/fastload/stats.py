@@ -111,8 +111,9 @@ class CacheStats:
     repairs: int = 0  # corrupt entries found, deleted and recomputed
     oversize: int = 0  # samples larger than the whole budget, served without caching
     unstored: int = 0  # samples served without caching because the cache's disk was full
+    write_s: float = 0.0  # seconds spent writing entries (encoding, appending, index records)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float | int]:
         return asdict(self)
 
 

@@ -699,16 +699,21 @@ class Cache:
     ) -> dict[int, UnsupportedSampleError]:
         """Store each ``(digest, name, sample)``: segment entries together, zarr ones one by
         one. A sample the format cannot hold is left out and does not stop the others: its
-        error, naming it, by its position in ``items``."""
-        if self._packed is not None:
-            return self._store_packed(items)
-        refused = {}
-        for k, (digest, name, sample) in enumerate(items):
-            try:
-                self._store(digest, name, sample)
-            except UnsupportedSampleError as exc:
-                refused[k] = _refused(exc, name)
-        return refused
+        error, naming it, by its position in ``items``. The time it takes is counted
+        (``write_s``: the stall report names it when filling the cache is what a loop waits on)."""
+        started = time.perf_counter()
+        try:
+            if self._packed is not None:
+                return self._store_packed(items)
+            refused = {}
+            for k, (digest, name, sample) in enumerate(items):
+                try:
+                    self._store(digest, name, sample)
+                except UnsupportedSampleError as exc:
+                    refused[k] = _refused(exc, name)
+            return refused
+        finally:
+            self.counters.write_s += time.perf_counter() - started
 
     def _store(self, digest: str, name: str, sample: Any) -> None:
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -887,7 +892,7 @@ class Cache:
 
     # --- maintenance --------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | None]:
+    def stats(self) -> dict[str, float | int | None]:
         """This process's counters plus the bytes in the cache and the budget."""
         with self._usage() as used:
             size, self.max_bytes = used[0], used[1] or None
