@@ -519,6 +519,30 @@ def test_workers_fill_only_where_reading_back_gives_the_same_batch(
     assert not fills(cache=Cache(tmp_path / "ro", read_only=True))  # keeps nothing made
 
 
+def test_filled_batches_evicted_before_the_loop_reads_them_are_made_again_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache budget smaller than what the workers cache ahead evicts a filled batch before
+    the loop's process reads it back: each such sample is made again there (right values,
+    every sample once), and a warning names the budget, once (it cost twice, unsaid)."""
+    (tmp_path / "data").mkdir()
+    for i in range(96):
+        np.save(tmp_path / "data" / f"{i:03d}.npy", np.full((150, 256), i, np.float32))
+    cache = Cache(tmp_path / "cache", format="npy", max_bytes=3 * 2**20)  # 20 samples' worth
+    dataset = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy", cache=cache)
+    loader = fastload.DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2)
+    assert loader.fills
+    with caplog.at_level(logging.WARNING, logger="fastload.dataset"):
+        for _ in range(2):
+            values = []
+            for batch in loader:
+                assert all(bool((row == row[0, 0]).all()) for row in batch)
+                values += [int(row[0, 0]) for row in batch]
+            assert sorted(values) == list(range(96))
+    said = [r for r in caplog.records if "evicted before the loop's process" in r.message]
+    assert len(said) == 1 and "(3 MiB)" in said[0].message
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_a_filling_worker_settles_a_batch_with_a_failed_sample(
     seaweed: S3Server, tmp_path: Path, policy: str

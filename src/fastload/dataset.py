@@ -100,6 +100,7 @@ class _Batched(Dataset[Any]):
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
     fills_only = False
+    _remade_said = False  # the warning of _remaking, once per process
     """Set in a fastload.DataLoader worker when the loop's process reads the cache itself
     (``loader.fills``): a batch's samples are made and cached here, and the answer is
     :class:`Filled`."""
@@ -117,7 +118,7 @@ class _Batched(Dataset[Any]):
         cache, handoff = self.cache, self._handoff_here()
         assert cache is not None
         if how == "filled":
-            return cache.get_many(names, produce, counted=False)
+            return cache.get_many(names, self._remaking(produce), counted=False)
         if how == "ahead":
             made = cache.get_many(names, produce)
             handoff.keep(names, made)
@@ -129,6 +130,27 @@ class _Batched(Dataset[Any]):
         got = cache.get_many([names[p] for p in rest], lambda at: produce([rest[q] for q in at]))
         held.update(zip(rest, got, strict=True))
         return [held[p] for p in range(len(names))]
+
+    def _remaking(
+        self, produce: Callable[[list[int]], list[Any]]
+    ) -> Callable[[list[int]], list[Any]]:
+        """``produce`` for a batch a DataLoader worker made and cached: what it makes again
+        (evicted before this process read it back) is said once, with the cache's budget."""
+
+        def again(positions: list[int]) -> list[Any]:
+            if not self._remade_said:
+                self._remade_said = True
+                log.warning(
+                    "samples a DataLoader worker had cached were evicted before the loop's "
+                    "process read them, and are made again there (each costs twice): the "
+                    "cache's max_bytes (%.0f MiB) is smaller than what the workers cache "
+                    "ahead; give it more room (or collate_fn=torch.utils.data.default_collate, "
+                    "which sends the workers' batches instead)",
+                    (self.cache.max_bytes or 0) / 2**20 if self.cache is not None else 0,
+                )
+            return produce(positions)
+
+        return again
 
     def _handoff_here(self) -> Handoff:
         """This process's :class:`Handoff` (a new one in a forked worker)."""
