@@ -85,6 +85,12 @@ KEY_SHAPES = [
     "UPPER/Z.bin",
     "x~tilde",
     "zz/last",
+    # characters URLs give a meaning to: a key holds them as they are
+    "plus+sign.bin",
+    "pct%20enc.bin",
+    "hash#frag.bin",
+    "eq=1&b=2.bin",
+    "semi;colon [1].bin",
 ]
 
 
@@ -161,6 +167,11 @@ class ManifestConformance:
         assert parallel.sizes.tolist() == [len(data[k]) for k in sorted(data)]
         assert all(entry.version for entry in parallel)
         assert parallel[0].url == case.url(parallel[0].key)
+        # each listed URL reads its own key's bytes, whatever characters the key holds
+        fetched = Fetcher(case.read_options).fetch(
+            [Request(entry.url, size=entry.size) for entry in parallel]
+        )
+        assert fetched == [data[key] for key in sorted(data)]  # the listing's order
 
     @staticmethod
     def write_directory_shapes(
