@@ -876,8 +876,19 @@ def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
             info = tarfile.TarInfo(f"clip-{n}.mp4")
             info.size = len(body)
             tar.addfile(info, io.BytesIO(body))
-    write(root, options, {"large.tar": large.getvalue(), "small.tar": tar_shard(0, 40)})
-    for name, most_requests, most_bytes in (("large", 8, 2 << 20), ("small", 3, 4 << 20)):
+    medium = io.BytesIO()  # 40 members of 100 KB: 4 MB, one window at once (3 as they grew)
+    with tarfile.open(fileobj=medium, mode="w") as tar:
+        for n in range(40):
+            info = tarfile.TarInfo(f"{n:03d}.bin")
+            info.size = 100_000
+            tar.addfile(info, io.BytesIO(bytes([n]) * info.size))
+    shards = {"large.tar": large.getvalue(), "small.tar": tar_shard(0, 40)}
+    write(root, options, {**shards, "medium.tar": medium.getvalue()})
+    for name, most_requests, most_bytes, samples in (
+        ("large", 8, 2 << 20, 6),
+        ("small", 1, 4 << 20, 40),
+        ("medium", 1, len(medium.getvalue()), 40),
+    ):
         dataset = RemoteDataset(
             fastload.Manifest.build(root, storage_options=options).filter(pattern=f"{name}.tar"),
             shards="tar",
@@ -885,7 +896,7 @@ def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
         )
         stats = dataset.fetcher.counters
         assert stats.requests <= most_requests and stats.bytes <= most_bytes, (name, stats)
-    assert len(dataset) == 40
+        assert len(dataset) == samples
 
 
 def test_a_cold_epoch_over_small_members_reads_each_byte_once(seaweed: S3Server) -> None:

@@ -275,9 +275,10 @@ def _check_regular(member: tarfile.TarInfo, shard: Entry) -> None:
 class _RangedFile:
     """A read-only file over one shard that reads ahead in windows: a window grows while
     headers keep landing in it (small members) and shrinks when a seek jumps past it (large
-    members are hopped over, not read). A window that would start just past the last one
-    starts at its end instead, so a shard of small members is read in one contiguous run,
-    whose first ``keep`` bytes are kept (``pieces``)."""
+    members are hopped over, not read); a shard of at most ``_MAX_WINDOW`` is one window. A
+    window that would start just past the last one starts at its end instead, so a shard of
+    small members is read in one contiguous run, whose first ``keep`` bytes are kept
+    (``pieces``)."""
 
     def __init__(self, shard: Entry, fetcher: Fetcher, keep: int = 0) -> None:
         self.shard, self.fetcher = shard, fetcher
@@ -285,7 +286,10 @@ class _RangedFile:
         self.pieces: list[bytes | memoryview] = []  # the windows read from byte 0 on, in turn
         self.kept = 0
         self.position = 0
-        self.window = 1 << 20
+        # a shard no larger than the largest window is read whole at once: its windows would
+        # grow to it one round trip at a time (4 of them for 15 MB), and hops over large
+        # members would take as many
+        self.window = shard.size if shard.size <= _MAX_WINDOW else 1 << 20
         self.buffer: bytes | memoryview = b""
         self.buffer_start = 0
         self.requests = 0
