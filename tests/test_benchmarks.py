@@ -84,9 +84,10 @@ def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
         " 2 workers",
         " 4 workers",
     ]
-    assert rows[0]["vs limit"] == 1 and all(row["CPU us/sample"] > 0 for row in rows[2:])
-    # 300 memmap rows, or 300 floor reads, can take less than the CPU clock's tick
-    assert rows[0]["CPU us/sample"] >= 0 and rows[1]["CPU us/sample"] >= 0
+    assert rows[0]["vs limit"] == 1 and all(row["samples/s (median)"] > 0 for row in rows)
+    # an epoch of 300 samples can take less CPU than the clock's 10 ms tick (fastload's at 0
+    # workers about 8 ms): the CPU column is only known not to be negative here
+    assert all(row["CPU us/sample"] >= 0 for row in rows)
 
 
 def test_crop_benchmark_reads_full_and_cropped() -> None:
