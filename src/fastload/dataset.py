@@ -100,10 +100,10 @@ class _Batched(Dataset[Any]):
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
     fills_only = False
-    _remade_said = False  # the warning of _remaking, once per process
     """Set in a fastload.DataLoader worker when the loop's process reads the cache itself
     (``loader.fills``): a batch's samples are made and cached here, and the answer is
     :class:`Filled`."""
+    _remade_said = False  # the warning of _remaking, once per process
 
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         """The samples at ``indices`` (a failure sits in its slot as an exception); ``how``:
@@ -118,7 +118,7 @@ class _Batched(Dataset[Any]):
         cache, handoff = self.cache, self._handoff_here()
         assert cache is not None
         if how == "filled":
-            return cache.get_many(names, self._remaking(produce), counted=False)
+            return cache.get_many(names, self._remaking(produce, cache), counted=False)
         if how == "ahead":
             made = cache.get_many(names, produce)
             handoff.keep(names, made)
@@ -132,7 +132,7 @@ class _Batched(Dataset[Any]):
         return [held[p] for p in range(len(names))]
 
     def _remaking(
-        self, produce: Callable[[list[int]], list[Any]]
+        self, produce: Callable[[list[int]], list[Any]], cache: Cache
     ) -> Callable[[list[int]], list[Any]]:
         """``produce`` for a batch a DataLoader worker made and cached: what it makes again
         (evicted before this process read it back) is said once, with the cache's budget."""
@@ -146,7 +146,7 @@ class _Batched(Dataset[Any]):
                     "cache's max_bytes (%.0f MiB) is smaller than what the workers cache "
                     "ahead; give it more room (or collate_fn=torch.utils.data.default_collate, "
                     "which sends the workers' batches instead)",
-                    (self.cache.max_bytes or 0) / 2**20 if self.cache is not None else 0,
+                    (cache.max_bytes or 0) / 2**20,
                 )
             return produce(positions)
 
