@@ -539,8 +539,30 @@ def test_filled_batches_evicted_before_the_loop_reads_them_are_made_again_and_sa
                 assert all(bool((row == row[0, 0]).all()) for row in batch)
                 values += [int(row[0, 0]) for row in batch]
             assert sorted(values) == list(range(96))
-    said = [r for r in caplog.records if "evicted before the loop's process" in r.message]
-    assert len(said) == 1 and "(3 MiB)" in said[0].message
+    said = [r for r in caplog.records if "gone before the loop's process" in r.message]
+    assert len(said) == 1 and "max_bytes (3 MiB)" in said[0].message
+
+
+def test_filled_samples_removed_from_a_cache_without_budget_are_made_again_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no budget, a filled batch's entries can only go by other means (a clear, a
+    damaged entry dropped): they are made again with right values, and the warning says that,
+    not that a budget (there is none) is too small."""
+    (tmp_path / "data").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "data" / f"{i}.npy", np.full(4, i, np.int16))
+    cache = Cache(tmp_path / "cache")
+    dataset = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy", cache=cache)
+    dataset.fills_only = True
+    filled = dataset.__getitems__([6, 1, 3])
+    assert isinstance(filled, fastload.dataset.Filled)
+    cache.clear()
+    dataset.fills_only = False
+    with caplog.at_level(logging.WARNING, logger="fastload.dataset"):
+        assert [int(x[0]) for x in dataset.read_filled(filled)] == [6, 1, 3]
+    said = [r.message for r in caplog.records if "gone before the loop's process" in r.message]
+    assert len(said) == 1 and "no budget" in said[0] and "max_bytes" not in said[0]
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])

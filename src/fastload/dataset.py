@@ -82,6 +82,20 @@ class Filled:
         return Filled, (self.indices,)
 
 
+def _why_remade(max_bytes: int | None) -> str:
+    """What evicts a filled batch before its read: the budget, or (with none) something else."""
+    if max_bytes is None:
+        return (
+            "the cache has no budget, so something else removed them (a 'fastload cache' clear "
+            "or prune, or entries found damaged and dropped)"
+        )
+    return (
+        f"the cache's max_bytes ({max_bytes / 2**20:.0f} MiB) is smaller than what the workers "
+        "cache ahead; give it more room (or collate_fn=torch.utils.data.default_collate, which "
+        "sends the workers' batches instead)"
+    )
+
+
 class _Batched(Dataset[Any]):
     """What both datasets share: a batch of indices in, its samples out; ``on_error``,
     ``augment``, ``limit``, ``warm``, ``prefetch`` (the loader's lookahead) and the counters.
@@ -135,18 +149,15 @@ class _Batched(Dataset[Any]):
         self, produce: Callable[[list[int]], list[Any]], cache: Cache
     ) -> Callable[[list[int]], list[Any]]:
         """``produce`` for a batch a DataLoader worker made and cached: what it makes again
-        (evicted before this process read it back) is said once, with the cache's budget."""
+        (gone before this process read it back) is said once, with the likely cause."""
 
         def again(positions: list[int]) -> list[Any]:
             if not self._remade_said:
                 self._remade_said = True
                 log.warning(
-                    "samples a DataLoader worker had cached were evicted before the loop's "
-                    "process read them, and are made again there (each costs twice): the "
-                    "cache's max_bytes (%.0f MiB) is smaller than what the workers cache "
-                    "ahead; give it more room (or collate_fn=torch.utils.data.default_collate, "
-                    "which sends the workers' batches instead)",
-                    (cache.max_bytes or 0) / 2**20,
+                    "samples a DataLoader worker had cached were gone before the loop's process "
+                    "read them, and are made again there (each costs twice): %s",
+                    _why_remade(cache.max_bytes),
                 )
             return produce(positions)
 
