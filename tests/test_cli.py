@@ -226,6 +226,12 @@ def test_ls_and_manifest_commands(s3_objects: tuple[str, dict[str, Any]], tmp_pa
     root, options = s3_objects
     listing = json.loads(fastload("ls", root, *options_args(options), "--json").stdout)
     assert listing["objects"] == 40 and listing["first_keys"][0] == "0000.npy"
+    some = json.loads(
+        fastload("ls", f"{root}/00{{05..14}}.npy", *options_args(options), "--json").stdout
+    )
+    assert some["objects"] == 10 and some["url"] == root and some["pattern"] == "00{05..14}.npy"
+    missing = fastload("ls", f"{root}/{{0039,0040}}.npy", *options_args(options))
+    assert missing.returncode != 0 and f"{root}/0040.npy" in missing.stderr
     saved = tmp_path / "m.npz"
     assert (
         fastload("manifest", "build", root, "-O", str(saved), *options_args(options)).returncode

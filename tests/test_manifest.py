@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastload._select import expand_braces
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.manifest import Manifest, Strings
@@ -222,6 +223,65 @@ def test_build_on_local_files_with_a_pattern(tmp_path: Path) -> None:
     assert manifest.sizes.tolist() == [5, 5, 9]
     with pytest.raises(ObjectNotFoundError, match=r"matching '\*.csv'"):
         Manifest.build(str(tmp_path), pattern="*.csv")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "names"),
+    [
+        (
+            "shard-{000..003}.tar",
+            ["shard-000.tar", "shard-001.tar", "shard-002.tar", "shard-003.tar"],
+        ),
+        ("{08..11}", ["08", "09", "10", "11"]),  # zero-padded to the widest bound
+        ("{9..11}", ["9", "10", "11"]),  # not padded
+        ("{3..1}", ["3", "2", "1"]),
+        ("{0..10..5}", ["0", "5", "10"]),
+        ("{a..c}", ["a", "b", "c"]),
+        ("{train,val}/{1..2}", ["train/1", "train/2", "val/1", "val/2"]),
+        ("x{a,{b,c}}", ["xa", "xb", "xc"]),  # nested
+        ("x{,y}", ["x", "xy"]),
+        ("{x}/a{b/[c]", ["{x}/a{b/[c]"]),  # not brace lists: literal
+    ],
+)
+def test_brace_lists_expand_as_webdataset_and_the_shell_do(pattern: str, names: list[str]) -> None:
+    assert expand_braces(pattern) == names
+
+
+def test_a_brace_list_that_names_too_much_or_in_the_bucket_is_refused() -> None:
+    with pytest.raises(ConfigError, match="more than 10,000,000"):
+        expand_braces("{0..9999}{0..9999}")
+    with pytest.raises(ConfigError, match="step of 0"):
+        expand_braces("{1..9..0}")
+    with pytest.raises(ConfigError, match="after the bucket"):
+        Manifest.build("s3://bucket-{a,b}/x")
+    with pytest.raises(ConfigError, match="not both"):
+        Manifest.build("file:///data/{a,b}.npy", pattern="*.npy")
+
+
+def test_a_pattern_stays_with_its_manifest_through_refresh_save_and_load(tmp_path: Path) -> None:
+    """A manifest listed with a pattern is refreshed with it (it listed every object under
+    the root before: a README counted as added, and in the new manifest), saved and loaded
+    with it, and a load for another pattern of the same folder is refused."""
+    for name in ["a.jpg", "b.jpg", "c.jpg", "notes.txt", "sub/d.jpg"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    for manifest in (
+        Manifest.build(str(tmp_path), pattern="*.jpg"),
+        Manifest.build(f"{tmp_path}/{{a,b,c}}.jpg"),
+    ):
+        assert manifest.root == f"file://{tmp_path}"
+        changes = manifest.refresh()
+        assert not changes.any and changes.manifest.keys() == manifest.keys()
+        manifest.save(tmp_path / "m.npz")
+        loaded = Manifest.load(tmp_path / "m.npz", url=str(tmp_path))
+        assert loaded.pattern == manifest.pattern and loaded.keys() == manifest.keys()
+        assert loaded[:2].pattern == manifest.pattern
+    with pytest.raises(ConfigError, match=r"lists .*\{a,b,c\}.jpg, not"):
+        Manifest.load(tmp_path / "m.npz", url=f"{tmp_path}/{{a,b}}.jpg")
+    assert Manifest.build(str(tmp_path)).filter(pattern="{a,sub/d}.jpg").keys() == [
+        "a.jpg",
+        "sub/d.jpg",
+    ]
 
 
 def _rank(rank: int, world: int, port: int, root: str, out: Any) -> None:

@@ -29,6 +29,7 @@ from fastload import (
     ConfigError,
     Manifest,
     ObjectChangedError,
+    ObjectNotFoundError,
     RemoteDataset,
     ShardError,
 )
@@ -118,6 +119,37 @@ def test_tar_shards_read_in_place_one_read_per_chunk(
     assert first.fetcher.counters.requests >= SHARDS  # the headers were read once ...
     assert again.fetcher.counters.requests == 0  # ... and the index came from the cache
     assert again[5]["cls"] == b"2"
+
+
+def test_a_webdataset_brace_url_reads_the_shards_it_names(
+    store: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """``shard-{000..002}.tar``, as WebDataset users write their shard lists: those shards
+    and no others (not the fourth, not the README), their samples once each; a saved listing
+    keeps the pattern, so a restart and a refresh select the same shards; a shard the pattern
+    names that is missing is an error naming it, never a smaller dataset."""
+    root, options = store
+    tar_dataset(root, options)
+    url = f"{root}/train/shard-{{000..002}}.tar"
+    cache = Cache(tmp_path / "c", format="npy")
+    dataset = RemoteDataset(url, shards="tar", decode=DECODE, cache=cache, storage_options=options)
+    assert len(dataset) == 3 * PER_SHARD
+    assert dataset.manifest.root == f"{root}/train"
+    assert dataset.manifest.keys() == [f"shard-{s:03d}.tar" for s in range(3)]
+    loader = fastload.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=list)
+    seen = [item["meta.json"]["n"] for batch in loader for item in batch]
+    assert sorted(seen) == list(range(3 * PER_SHARD))
+
+    again = RemoteDataset(url, shards="tar", cache=cache, storage_options=options)
+    assert again.fetcher.counters.requests == 0  # the saved listing and indexes
+    assert again.listing_check is not None
+    assert not again.listing_check.result(timeout=60).any  # listed with the pattern again
+    assert len(again) == 3 * PER_SHARD
+    assert dataset.manifest.refresh(storage_options=options).any is False
+
+    with pytest.raises(ObjectNotFoundError, match="2 of the 6") as caught:
+        RemoteDataset(f"{root}/train/shard-{{000..005}}.tar", shards="tar", storage_options=options)
+    assert "train/shard-004.tar" in str(caught.value) and "shard-003" not in str(caught.value)
 
 
 def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> None:

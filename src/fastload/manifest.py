@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import fnmatch
 import hashlib
 import io
 import json
@@ -28,6 +27,7 @@ from typing import Any, TypeVar, overload
 import fsspec.asyn
 import numpy as np
 
+from fastload._select import matches, selected, split_pattern
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
@@ -185,7 +185,11 @@ class ManifestChanges:
 
 
 class Manifest(Sequence[Entry]):
-    """The objects under one root URL, sorted by key; see :meth:`build` and :meth:`load`."""
+    """The objects under one root URL, sorted by key; see :meth:`build` and :meth:`load`.
+
+    ``pattern``: the key pattern it was listed with (see :meth:`build`), which :meth:`refresh`
+    lists with again.
+    """
 
     def __init__(
         self,
@@ -198,8 +202,10 @@ class Manifest(Sequence[Entry]):
         classes: Sequence[str] | None = None,
         grouping: Grouping | None = None,
         shard_indexes: ShardIndexes | None = None,
+        pattern: str | None = None,
     ) -> None:
         self.root = str(parse_url(root)).rstrip("/")
+        self.pattern = pattern
         self.grouping = grouping
         self.shard_indexes = shard_indexes
         self._keys = keys if isinstance(keys, Strings) else Strings.of(list(keys))
@@ -231,8 +237,12 @@ class Manifest(Sequence[Entry]):
     ) -> Manifest:
         """List every object under ``url`` (once; in parallel where the store allows).
 
-        ``pattern`` is an fnmatch pattern over keys relative to ``url`` (``*`` also matches
-        ``/``). Under torch.distributed, rank 0 lists and broadcasts; other ranks never list.
+        ``pattern`` keeps the keys (relative to ``url``) it matches: brace lists as WebDataset
+        writes them (``shard-{000..099}.tar``, ``{train,val}/*``), then fnmatch (``*`` also
+        matches ``/``); a name it gives exactly that is missing is an ObjectNotFoundError. A
+        brace list in ``url`` itself starts the pattern: ``s3://b/train/shard-{000..099}.tar``
+        lists ``s3://b/train`` with the pattern ``shard-{000..099}.tar``.
+        Under torch.distributed, rank 0 lists and broadcasts; other ranks never list.
         Each listing request is timed out and retried as fetches are (``fetch_config``,
         default :meth:`FetchConfig.from_env`).
         """
@@ -259,6 +269,7 @@ class Manifest(Sequence[Entry]):
         concurrency: int,
         config: FetchConfig,
     ) -> Manifest:
+        url, pattern = _with_pattern(url, pattern)
         root = parse_url(url)
         store = open_store(root, storage_options)
         lister = store.lister(root.bucket) if parallel else None
@@ -283,9 +294,7 @@ class Manifest(Sequence[Entry]):
             raise
         except Exception as exc:  # the client's own errors: translated at the one boundary
             raise translate(exc, str(root)) from exc
-        listed = [e for e in listed if not _is_marker(e)]
-        if pattern is not None:
-            listed = [e for e in listed if fnmatch.fnmatchcase(e.key, pattern)]
+        listed = selected([e for e in listed if not _is_marker(e)], pattern, str(root))
         if not listed:
             raise ObjectNotFoundError(
                 "no objects under this prefix" + (f" matching {pattern!r}" if pattern else ""),
@@ -296,6 +305,7 @@ class Manifest(Sequence[Entry]):
             [e.key for e in listed],
             [e.size for e in listed],
             [e.version for e in listed],
+            pattern=pattern,
         )
 
     # -- access --------------------------------------------------------------------------
@@ -379,17 +389,19 @@ class Manifest(Sequence[Entry]):
             self._versions.take(indices),
             labels=labels,
             classes=self.classes,
+            pattern=self.pattern,
         )
 
     def filter(
         self, predicate: Callable[[Entry], bool] | None = None, *, pattern: str | None = None
     ) -> Manifest:
-        """The entries whose key matches ``pattern`` (fnmatch) and for which ``predicate`` holds."""
+        """The entries whose key ``pattern`` keeps (as :meth:`build`'s, but a name it gives
+        that is absent is no error) and for which ``predicate`` holds."""
+        keeps = None if pattern is None else matches(pattern)[1]
         keep = [
             i
             for i, entry in enumerate(self)
-            if (pattern is None or fnmatch.fnmatchcase(entry.key, pattern))
-            and (predicate is None or predicate(entry))
+            if (keeps is None or keeps(entry.key)) and (predicate is None or predicate(entry))
         ]
         return self._take(np.asarray(keep, dtype=np.int64))
 
@@ -441,6 +453,7 @@ class Manifest(Sequence[Entry]):
             chosen._versions,
             labels=codes,
             classes=classes,
+            pattern=self.pattern,
         )
 
     def with_grouping(self, grouping: Grouping) -> Manifest:
@@ -464,6 +477,7 @@ class Manifest(Sequence[Entry]):
             classes=self.classes,
             grouping=grouping,
             shard_indexes=indexes,
+            pattern=self.pattern,
         )
 
     def _identities(self) -> dict[str, tuple[int, str]]:
@@ -480,6 +494,7 @@ class Manifest(Sequence[Entry]):
         meta = {
             "format": FORMAT,
             "root": self.root,
+            "pattern": self.pattern,
             "count": len(self),
             "fingerprint": self.fingerprint,
             "classes": self.classes,
@@ -515,7 +530,8 @@ class Manifest(Sequence[Entry]):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, url: str | None = None) -> Manifest:
-        """Read a saved manifest; with ``url``, refuse one listed from a different root.
+        """Read a saved manifest; with ``url``, refuse one listed from a different root (or
+        with another pattern than a brace list in ``url`` gives).
 
         A file that is missing raises ``FileNotFoundError``; one that is empty, truncated,
         foreign or damaged raises :class:`ConfigError` naming it.
@@ -529,8 +545,14 @@ class Manifest(Sequence[Entry]):
             raise ConfigError(f"not a readable fastload manifest: {path} ({reason})") from exc
         if manifest.fingerprint != meta.get("fingerprint"):
             raise ConfigError(f"manifest is corrupt (fingerprint mismatch): {path}")
-        if url is not None and str(parse_url(url)).rstrip("/") != manifest.root:
-            raise ConfigError(f"manifest {path} lists {manifest.root}, not {url}")
+        if url is not None:
+            root, pattern = split_pattern(url)
+            other = pattern is not None and pattern != manifest.pattern
+            if str(parse_url(root)).rstrip("/") != manifest.root or other:
+                listed = manifest.root + (
+                    "" if manifest.pattern is None else f"/{manifest.pattern}"
+                )
+                raise ConfigError(f"manifest {path} lists {listed}, not {url}")
         return manifest
 
     @classmethod
@@ -551,15 +573,19 @@ class Manifest(Sequence[Entry]):
                 classes=meta.get("classes"),
                 grouping=_grouping(meta, data),
                 shard_indexes=_shard_indexes(meta, data),
+                pattern=meta.get("pattern"),
             )
         return manifest, meta
 
     def refresh(
         self, *, storage_options: Mapping[str, Any] | None = None, parallel: bool = True
     ) -> ManifestChanges:
-        """List the root again and count what was added, removed or changed."""
+        """List the root again (with its :attr:`pattern`) and count what was added, removed or
+        changed."""
         return self._changes(
-            Manifest.build(self.root, storage_options=storage_options, parallel=parallel)
+            Manifest.build(
+                self.root, pattern=self.pattern, storage_options=storage_options, parallel=parallel
+            )
         )
 
     def _changes(self, new: Manifest) -> ManifestChanges:
@@ -571,6 +597,14 @@ class Manifest(Sequence[Entry]):
         removed = len(before.keys() - after.keys())
         changed = sum(1 for k in after.keys() & before.keys() if after[k] != before[k])
         return ManifestChanges(added, removed, changed, new)
+
+
+def _with_pattern(url: str, pattern: str | None) -> tuple[str, str | None]:
+    """``url``'s folder and the key pattern, from ``pattern`` or a brace list in ``url``."""
+    root, in_url = split_pattern(url)
+    if in_url is not None and pattern is not None:
+        raise ConfigError(f"give the key pattern in the URL or as pattern=, not both: {url!r}")
+    return root, in_url if pattern is None else pattern
 
 
 def saved_or_listed(

@@ -417,6 +417,7 @@ def ls_command(
     listing = Manifest.build(source, storage_options=parse_options(storage_option))
     result = {
         "url": listing.root,
+        "pattern": listing.pattern,
         "objects": len(listing),
         "bytes": listing.total_bytes,
         "first_keys": listing.keys()[:5],
@@ -425,7 +426,10 @@ def ls_command(
 
 
 def _print_listing(result: dict[str, Any]) -> None:
-    out.print(f"{result['url']}: {result['objects']:,} objects, {result['bytes'] / 1e6:,.1f} MB")
+    matching = f" matching {result['pattern']}" if result["pattern"] else ""
+    out.print(
+        f"{result['url']}{matching}: {result['objects']:,} objects, {result['bytes'] / 1e6:,.1f} MB"
+    )
     for key in result["first_keys"]:
         out.print(f"  {key}")
 
