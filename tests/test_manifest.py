@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import time
 import uuid
 from pathlib import Path
@@ -254,6 +255,9 @@ def test_a_brace_list_that_names_too_much_or_in_the_bucket_is_refused() -> None:
         expand_braces("{1..9..0}")
     with pytest.raises(ConfigError, match="after the bucket"):
         Manifest.build("s3://bucket-{a,b}/x")
+    pipe = "pipe:aws s3 cp s3://b/shard-{0..9}.tar -"  # WebDataset's: named whole
+    with pytest.raises(ConfigError, match=re.escape(f"{pipe!r} is a WebDataset pipe")):
+        Manifest.build(pipe)
     with pytest.raises(ConfigError, match="not both"):
         Manifest.build("file:///data/{a,b}.npy", pattern="*.npy")
 

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from fastload.errors import ConfigError, ObjectNotFoundError
+from fastload.stores import parse_url
 from fastload.stores._base import Listed
 
 __all__ = ["expand_braces", "matches", "selected", "split_pattern"]
@@ -36,6 +37,7 @@ def split_pattern(url: str) -> tuple[str, str | None]:
     """``url`` as the folder to list and the pattern of the keys under it to keep, from the
     part with the first brace list on; a URL with none is all folder (pattern None). Only brace
     lists start a pattern: ``*``, ``?`` and ``[`` are a key's own characters until one does."""
+    parse_url(url)  # a malformed one is named whole
     at = _first_brace(url)
     if at is None:
         return url, None
