@@ -646,29 +646,33 @@ def test_sampler_blocks_every_index_once_and_local() -> None:
         PermutationSampler(n, blocks=starts, block_size=4)
 
 
-def test_warm_cache_cli_splits_tar_shards_by_chunk_then_training_reads_only_the_cache(
+def test_warm_cache_cli_splits_tar_shards_by_shard_then_training_reads_only_the_cache(
     seaweed: S3Server, tmp_path: Any
 ) -> None:
+    """Machines warming parts of a tar dataset each index and read their own shards only,
+    once (each indexed every shard, reading the whole dataset, to warm its part), and report
+    every byte they read, the indexing's too (its cost estimate left them out)."""
     from tests.test_cli import fastload as cli
     from tests.test_cli import options_args
 
     root = f"s3://{BUCKET}/cli-shards-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
-    tar_dataset(root, options)
-    args = ["warm-cache", f"{root}/train", "--cache-dir", str(tmp_path / "c"), "--format", "npy"]
-    args += ["--shards", "tar", "--json", *options_args(options)]
-    requests = 0
-    for part in ("0/2", "1/2"):
-        done = cli(*args, "--shard", part)
-        assert done.returncode == 0, done.stderr
-        summary = json.loads(done.stdout)
-        assert summary["failures"] == {} and summary["samples"] == SHARDS * PER_SHARD // 2
-        requests += summary["requests"]
-    # each machine reads its own chunks, each at most once (none where indexing, which reads a
-    # shard of small members whole, left them in memory: the first machine indexes them all)
-    assert 0 < requests <= SHARDS
+    shard_bytes = sum(len(b) for k, b in tar_dataset(root, options).items() if k.endswith(".tar"))
+    args = ["warm-cache", f"{root}/train", "--format", "npy", "--shards", "tar", "--json"]
+    args += [*options_args(options)]
+    for shared in (False, True):  # a cache of its own on each machine, then one they share
+        fetched = 0
+        for part in ("0/2", "1/2"):
+            cache = tmp_path / ("shared" if shared else f"machine{part[0]}")
+            done = cli(*args, "--cache-dir", str(cache), "--shard", part)
+            assert done.returncode == 0, done.stderr
+            summary = json.loads(done.stdout)
+            assert summary["failures"] == {} and summary["samples"] == SHARDS * PER_SHARD // 2
+            assert summary["requests"] > 0
+            fetched += summary["bytes_fetched"]
+        assert shard_bytes <= fetched <= shard_bytes * 1.05  # each shard read once in all
     dataset = RemoteDataset(
-        f"{root}/train", shards="tar", cache=Cache(tmp_path / "c", format="npy"),
+        f"{root}/train", shards="tar", cache=Cache(tmp_path / "shared", format="npy"),
         storage_options=options,
     )  # fmt: skip
     seen = [
@@ -678,6 +682,8 @@ def test_warm_cache_cli_splits_tar_shards_by_chunk_then_training_reads_only_the_
     ]
     assert sorted(json.loads(m)["n"] for m in seen) == list(range(SHARDS * PER_SHARD))
     assert dataset.fetcher.counters.requests == 0  # the index and every sample came from the cache
+    three = cli(*args, "--cache-dir", str(tmp_path / "three"), "--shard", "2/3")
+    assert json.loads(three.stdout)["samples"] == PER_SHARD  # every third shard from 2: one
     bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
     assert bad.returncode != 0 and "--shards must be tar or parquet" in bad.stderr
 

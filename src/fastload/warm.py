@@ -18,9 +18,11 @@ import numpy as np
 
 from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError
+from fastload.manifest import Manifest
 from fastload.sampler import PermutationSampler
+from fastload.sources.tar import TarShards
 
-__all__ = ["WarmReport", "warm_cache", "warm_order"]
+__all__ = ["WarmReport", "tar_shards_part", "warm_cache", "warm_order"]
 
 
 @dataclass
@@ -77,6 +79,26 @@ def warm_order(
     order = PermutationSampler(n, seed=seed, rank=index, world_size=count).indices()
     _, first = np.unique(order, return_index=True)  # even shards repeat a few indices
     return order[np.sort(first)]
+
+
+def tar_shards_part(manifest: Manifest, shard: tuple[int, int]) -> Manifest | None:
+    """Part ``shard`` = (i, count) of a tar dataset's objects by whole shards: every count-th
+    tar shard from i, and every object that is not one (the tar reader names or leaves those
+    out on each machine as for the whole). None where splitting by chunk is better: fewer
+    shards than parts, or a manifest that carries the shards' indexes (indexing reads nothing).
+
+    Indexing a tar shard of small members reads it whole, so each machine that indexed every
+    shard to warm its own chunks read the whole dataset; by shard, each reads its shards once.
+    """
+    index, count = shard
+    if count == 1 or manifest.shard_indexes is not None:
+        return None
+    keys: list[str] = manifest.keys()
+    tars = [key for key in keys if key.lower().endswith(TarShards.suffixes)]
+    if len(tars) < count:
+        return None
+    others = set(tars) - set(tars[index::count])
+    return manifest.filter(lambda entry: entry.key not in others)
 
 
 def warm_cache(

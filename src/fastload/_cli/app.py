@@ -30,7 +30,7 @@ from fastload.ranks import launcher_rank_world
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
 from fastload.transforms import decoder
-from fastload.warm import WarmReport, warm_cache, warm_order
+from fastload.warm import WarmReport, tar_shards_part, warm_cache, warm_order
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
@@ -291,6 +291,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             if manifest
             else Manifest.build(source, storage_options=options)
         )
+        own = tar_shards_part(listing, part) if shards == "tar" else None
+        if own is not None:  # this machine's shards are all it indexes and warms
+            listing, part = own, (0, 1)
         dataset = RemoteDataset(
             listing,
             decode=decode_fn,
@@ -310,10 +313,14 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
     indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
     total_bytes = dataset.nbytes(indices) if isinstance(dataset, RemoteDataset) else 0
+    fetched = dataset.counters.fetch  # what making the dataset read: the shards' indexes
+    made = fetched.requests, fetched.bytes
     with _progress(len(indices), total_bytes, quiet=as_json) as update:
         report = warm_cache(
             dataset, indices, batch_size=batch_size, threads=in_flight, on_progress=update
         )
+    report.requests += made[0]  # this command's reads, all of them: the cost estimate's too
+    report.bytes_fetched += made[1]
     result = report.as_dict()
     if cost_per_1k_requests is not None or cost_per_gb is not None:
         result["estimated_cost"] = round(
