@@ -152,6 +152,30 @@ def test_a_webdataset_brace_url_reads_the_shards_it_names(
     assert "train/shard-004.tar" in str(caught.value) and "shard-003" not in str(caught.value)
 
 
+def test_indexing_says_what_it_reads_and_a_start_with_the_index_says_nothing(
+    seaweed: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """A first start over small members reads every byte to index them (minutes on a large
+    dataset, before the first batch): INFO lines say so, how far it is, and what it read; a
+    start that finds the index in the cache reads nothing and says nothing."""
+    root = f"s3://{BUCKET}/said-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+    monkeypatch.setattr("fastload.sources._shards._EVERY", 0.0)  # a progress line a shard
+    cache = Cache(tmp_path / "c")
+    with caplog.at_level(logging.INFO, logger="fastload.sources._shards"):
+        RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+        said = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+        again = [r.getMessage() for r in caplog.records if "indexe" in r.getMessage()]
+    what = f"{SHARDS} tar shards under {root}/train"
+    assert sum(line.startswith(f"indexing {what}: a shard of small") for line in said) == 1
+    assert sum(f"of {what}, 0.0 GB read in" in line for line in said) == SHARDS
+    assert any(line.startswith(f"indexed {what} in ") for line in said)
+    assert again == []
+
+
 def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> None:
     root = f"s3://{BUCKET}/shards-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()

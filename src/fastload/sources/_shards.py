@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 OnBad = Literal["raise", "skip"]
 _INDEXERS = 32  # shards indexed at once
+_EVERY = 30.0  # seconds between lines saying how indexing goes
 
 
 class Shards:
@@ -170,8 +173,18 @@ class Shards:
             return index  # type: ignore[no-any-return]
 
         def part(rank: int, world: int) -> list[dict[str, np.ndarray] | BaseException]:
+            mine = todo[rank::world]
+            progress = _Progress(f"{len(mine)} {self.kind} shards under {self.root}", fetcher)
+
+            def counted(entry: Entry) -> dict[str, np.ndarray] | BaseException:
+                index = one(entry)
+                progress.one_more(len(mine))
+                return index
+
             with ThreadPoolExecutor(_INDEXERS, "fastload-index") as pool:
-                return list(pool.map(one, todo[rank::world]))
+                indexes = list(pool.map(counted, mine))
+            progress.done()
+            return indexes
 
         todo = [entry for entry in shards if (entry.key, entry.version) not in stored]
         parts = on_every_rank(part, "shard-indexes") if todo else []
@@ -276,3 +289,44 @@ def _in_chunk(error: BaseException, sample: Sample, chunk: Chunk) -> BaseExcepti
     wrapped = kind(message, url=sample.url)
     wrapped.__cause__ = error
     return wrapped
+
+
+class _Progress:
+    """Says at INFO what indexing shards costs: a first start over a large dataset of small
+    members reads every byte of it before the first batch (minutes), and says so, where it is
+    every ``_EVERY`` seconds, and what it read in all; a start that finds every index saved
+    says nothing."""
+
+    def __init__(self, what: str, fetcher: Fetcher) -> None:
+        self._what, self._fetcher = what, fetcher
+        self._lock = threading.Lock()
+        self._bytes = fetcher.counters.bytes
+        self._started = self._said = time.monotonic()
+        self._count = 0
+        self._read = False
+
+    def one_more(self, total: int) -> None:
+        with self._lock:
+            self._count += 1
+            now, read = time.monotonic(), self._fetcher.counters.bytes - self._bytes
+            if read and not self._read:
+                self._read = True
+                log.info(
+                    "indexing %s: a shard of small members is read whole (the cache or the "
+                    "saved listing keeps the index, so a later start reads none of it)",
+                    self._what,
+                )
+            if read and now - self._said >= _EVERY:
+                self._said = now
+                log.info(
+                    "indexed %d of %s, %.1f GB read in %.0f s",
+                    self._count, self._what, read / 1e9, now - self._started,
+                )  # fmt: skip
+
+    def done(self) -> None:
+        read = self._fetcher.counters.bytes - self._bytes
+        if read:
+            log.info(
+                "indexed %s in %.1f s, %.2f GB read",
+                self._what, time.monotonic() - self._started, read / 1e9,
+            )  # fmt: skip
