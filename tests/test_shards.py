@@ -36,6 +36,7 @@ from fastload import (
 from fastload.sampler import PermutationSampler, block_locality
 from fastload.sources._chunks import _in_memory
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
+from fastload.warm import tar_shard_groups
 from tests.conftest import BUCKET, assert_identities, write
 
 SHARDS, PER_SHARD = 4, 25
@@ -710,6 +711,58 @@ def test_warm_cache_cli_splits_tar_shards_by_shard_then_training_reads_only_the_
     assert json.loads(three.stdout)["samples"] == PER_SHARD  # every third shard from 2: one
     bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
     assert bad.returncode != 0 and "--shards must be tar or parquet" in bad.stderr
+
+
+def test_warm_cache_cli_reads_a_tar_dataset_larger_than_chunk_memory_once(
+    seaweed: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards of small members are read whole to be indexed; warm-cache indexes and warms them
+    a group at a time, each group small enough to keep what indexing read, so a dataset larger
+    than the chunk memory is read once, not twice (indexed whole, then read again to warm)."""
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/cli-groups-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    shard_bytes = [len(b) for k, b in tar_dataset(root, options).items() if k.endswith(".tar")]
+    monkeypatch.setenv("FASTLOAD_CHUNK_MEMORY_BYTES", str(int(2.5 * max(shard_bytes))))
+    args = ["warm-cache", f"{root}/train", "--format", "npy", "--shards", "tar", "--json"]
+    done = cli(*args, "--cache-dir", str(tmp_path / "c"), *options_args(options))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["failures"] == {} and summary["samples"] == SHARDS * PER_SHARD
+    assert sum(shard_bytes) <= summary["bytes_fetched"] <= 1.05 * sum(shard_bytes)
+    assert summary["requests"] == SHARDS  # one a shard: its index, and the samples it warmed
+    again = cli(*args, "--cache-dir", str(tmp_path / "c"), *options_args(options))
+    rerun = json.loads(again.stdout)
+    assert rerun["hits"] == SHARDS * PER_SHARD and rerun["requests"] == 0
+    dataset = RemoteDataset(
+        f"{root}/train", shards="tar", cache=Cache(tmp_path / "c", format="npy"),
+        storage_options=options,
+    )  # fmt: skip
+    numbers = [
+        item["meta.json"]
+        for b in fastload.DataLoader(dataset, batch_size=9, collate_fn=list)
+        for item in b
+    ]
+    assert sorted(json.loads(n)["n"] for n in numbers) == list(range(SHARDS * PER_SHARD))
+    assert dataset.fetcher.counters.requests == 0
+
+
+def test_tar_shard_groups_keep_each_shard_whole_in_memory_and_a_short_last_shard_in_company() -> (
+    None
+):
+    sizes = {"README.md": 5, "old.tar.gz": 3, **{f"s{i:02d}.tar": 10 for i in range(6)}}
+    sizes["s06.tar"] = 1
+    keys = sorted(sizes)
+    listing = Manifest("file:///data", keys, [sizes[k] for k in keys], ["v"] * len(keys))
+    groups = [g.keys() for g in tar_shard_groups(listing, 30)]
+    assert groups == [
+        ["README.md", "old.tar.gz", "s00.tar"],  # what is not a tar shard: the first group
+        ["s01.tar", "s02.tar", "s03.tar"],  # 3 x 10 bytes: each shard its share of 30, whole
+        ["s04.tar", "s05.tar", "s06.tar"],  # the last shard (1 byte) is not a group alone
+    ]
+    assert [g.keys() for g in tar_shard_groups(listing, 10**9)] == [keys]
 
 
 def pulses(first: int, count: int) -> pa.Table:

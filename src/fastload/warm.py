@@ -22,7 +22,7 @@ from fastload.manifest import Manifest
 from fastload.sampler import PermutationSampler
 from fastload.sources.tar import TarShards
 
-__all__ = ["WarmReport", "tar_shards_part", "warm_cache", "warm_order"]
+__all__ = ["WarmReport", "tar_shard_groups", "tar_shards_part", "warm_cache", "warm_order"]
 
 
 @dataclass
@@ -38,6 +38,19 @@ class WarmReport:
     seconds: float = 0.0
     failures: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
+
+    def __add__(self, other: WarmReport) -> WarmReport:
+        """Both warm-ups' counts, as one (the seconds added: the caller times a whole run)."""
+        return WarmReport(
+            self.samples + other.samples,
+            self.hits + other.hits,
+            self.unstored + other.unstored,
+            self.requests + other.requests,
+            self.bytes_fetched + other.bytes_fetched,
+            self.seconds + other.seconds,
+            {**self.failures, **other.failures},
+            self.interrupted or other.interrupted,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +112,40 @@ def tar_shards_part(manifest: Manifest, shard: tuple[int, int]) -> Manifest | No
         return None
     others = set(tars) - set(tars[index::count])
     return manifest.filter(lambda entry: entry.key not in others)
+
+
+def tar_shard_groups(manifest: Manifest, memory_bytes: int) -> list[Manifest]:
+    """A tar dataset's objects in groups to index and warm one after another, each group's
+    shards small enough for the reader to keep whole what indexing read of them (at most
+    ``memory_bytes`` over the group's shards, each its equal share): warming a group then reads
+    none of its shards again. The objects that are not tar shards go with the first group;
+    a manifest that carries the shards' indexes (indexing reads nothing) is one group.
+
+    Indexing every shard before warming any keeps only ``memory_bytes`` of what it read, so a
+    dataset of small members larger than that was read twice: to index it, and to warm it.
+    """
+    if manifest.shard_indexes is not None:
+        return [manifest]
+    groups: list[set[str]] = [set()]
+    largest = 0
+    # from the last shard back: the group that comes out short is the first, not the last
+    # (a last shard of a few samples, or none, would be a dataset of no samples on its own)
+    for entry in reversed(manifest):
+        if not entry.key.lower().endswith(TarShards.suffixes):
+            continue
+        group = groups[-1]
+        if group and (len(group) + 1) * max(largest, entry.size) > memory_bytes:
+            groups.append(group := set())
+            largest = 0
+        group.add(entry.key)
+        largest = max(largest, entry.size)
+    groups.reverse()
+    groups[0] |= set(manifest.keys()).difference(*groups)  # not tar shards
+    return [_only(manifest, keys) for keys in groups]
+
+
+def _only(manifest: Manifest, keys: set[str]) -> Manifest:
+    return manifest.filter(lambda entry: entry.key in keys)
 
 
 def warm_cache(

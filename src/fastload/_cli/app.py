@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import logging
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,6 +25,7 @@ from fastload import __version__
 from fastload.cache import Cache
 from fastload.cache.formats import FORMATS
 from fastload.cache.store import CacheFormat
+from fastload.config import ChunkConfig
 from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest
@@ -30,7 +33,7 @@ from fastload.ranks import launcher_rank_world
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
 from fastload.transforms import decoder
-from fastload.warm import WarmReport, tar_shards_part, warm_cache, warm_order
+from fastload.warm import WarmReport, tar_shard_groups, tar_shards_part, warm_cache, warm_order
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
@@ -271,7 +274,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     if dataset_factory is not None:
         if source is not None or cache_dir is not None:
             raise ConfigError("--dataset makes its own dataset: give no SOURCE or --cache-dir")
-        dataset = _made_dataset(dataset_factory)
+        datasets: Iterator[RemoteDataset | CachedDataset] = iter([_made_dataset(dataset_factory)])
     else:
         if source is None or cache_dir is None:
             raise ConfigError("warm-cache needs SOURCE and --cache-dir (or --dataset)")
@@ -294,8 +297,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         own = tar_shards_part(listing, part) if shards == "tar" else None
         if own is not None:  # this machine's shards are all it indexes and warms
             listing, part = own, (0, 1)
-        dataset = RemoteDataset(
-            listing,
+        make = partial(
+            RemoteDataset,
             decode=decode_fn,
             transform=transform_fn,
             cache=cache,
@@ -310,17 +313,14 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             limit=limit,
             storage_options=options,
         )
-    blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
-    indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
-    total_bytes = dataset.nbytes(indices) if isinstance(dataset, RemoteDataset) else 0
-    fetched = dataset.counters.fetch  # what making the dataset read: the shards' indexes
-    made = fetched.requests, fetched.bytes
-    with _progress(len(indices), total_bytes, quiet=as_json) as update:
-        report = warm_cache(
-            dataset, indices, batch_size=batch_size, threads=in_flight, on_progress=update
+        in_groups = shards == "tar" and part == (0, 1) and seed is None and limit is None
+        groups = (
+            tar_shard_groups(listing, ChunkConfig.from_env().memory_bytes)
+            if in_groups
+            else [listing]
         )
-    report.requests += made[0]  # this command's reads, all of them: the cost estimate's too
-    report.bytes_fetched += made[1]
+        datasets = map(make, groups)
+    report = _warm_all(datasets, part, seed, batch_size, in_flight, quiet=as_json)
     result = report.as_dict()
     if cost_per_1k_requests is not None or cost_per_gb is not None:
         result["estimated_cost"] = round(
@@ -375,15 +375,55 @@ def _print_warm(result: dict[str, Any]) -> None:
         out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
 
 
+def _warm_all(
+    datasets: Iterator[RemoteDataset | CachedDataset],
+    part: tuple[int, int],
+    seed: int | None,
+    batch_size: int,
+    threads: int,
+    *,
+    quiet: bool,
+) -> WarmReport:
+    """Warm part ``part`` of each dataset in turn (one, or a tar dataset's groups of shards,
+    each made when its turn comes: indexing a group reads its shards), under one progress bar;
+    one report of all, what making the datasets read (the shards' indexing) and its time
+    included."""
+    total, started = WarmReport(), time.perf_counter()
+    first = next(datasets)  # made before the bar: a wrong argument fails before any read
+    with _progress(quiet) as progress:
+        try:
+            for dataset in itertools.chain([first], datasets):
+                blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
+                indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
+                progress.samples += len(indices)
+                fetched = dataset.counters.fetch  # what making it read, the indexing
+                before = total + WarmReport(requests=fetched.requests, bytes_fetched=fetched.bytes)
+
+                def update(report: WarmReport, before: WarmReport = before) -> None:
+                    progress.update(before + report)
+
+                report = warm_cache(
+                    dataset, indices, batch_size=batch_size, threads=threads, on_progress=update
+                )
+                total = before + report
+                if total.interrupted:
+                    break
+        except KeyboardInterrupt:  # while the next group was indexed: what is cached stays
+            total.interrupted = True
+    total.seconds = time.perf_counter() - started
+    return total
+
+
 class _progress:
     """A rich progress bar on a terminal; plain log lines every 5 s otherwise."""
 
-    def __init__(self, samples: int, total_bytes: int, quiet: bool) -> None:
-        self.samples, self.total_bytes, self.quiet = samples, total_bytes, quiet
+    def __init__(self, quiet: bool) -> None:
+        self.samples = 0  # the samples to warm: grows as a tar dataset's groups are indexed
+        self.quiet = quiet
         self.bar: Progress | None = None
         self.last = 0.0
 
-    def __enter__(self) -> Callable[[WarmReport], None]:
+    def __enter__(self) -> _progress:
         if err.is_terminal and not self.quiet:
             self.bar = Progress(
                 TextColumn("warming"),
@@ -394,14 +434,14 @@ class _progress:
                 console=err,
             )
             self.bar.start()
-            self.task = self.bar.add_task("warm", total=self.samples, info="")
-        return self.update
+            self.task = self.bar.add_task("warm", total=None, info="")
+        return self
 
     def update(self, report: WarmReport) -> None:
         rate = report.samples / report.seconds if report.seconds else 0.0
         info = f"{report.bytes_fetched / 1e6:,.0f} MB, {rate:,.0f}/s, {len(report.failures)} errors"
         if self.bar is not None:
-            self.bar.update(self.task, completed=report.samples, info=info)
+            self.bar.update(self.task, total=self.samples, completed=report.samples, info=info)
         elif time.monotonic() - self.last >= 5 or report.samples == self.samples:
             self.last = time.monotonic()
             err.print(f"warming: {report.samples:,}/{self.samples:,} samples, {info}")
