@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import itertools
 import json
 import logging
 import os
@@ -11,6 +10,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -288,7 +288,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         decode_fn = None if decode is None and shards else _decoder(decode or "npy")
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
-        cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
+        Cache(cache_dir, format=cache_format, max_bytes=budget)  # a folder it cannot use fails now
         listing = (
             Manifest.load(manifest, url=source)
             if manifest
@@ -298,13 +298,13 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         if own is not None:  # this machine's shards are all it indexes and warms
             listing, part = own, (0, 1)
         make = partial(
-            RemoteDataset,
+            _remote,
+            (cache_dir, cache_format, budget),
             decode=decode_fn,
             transform=transform_fn,
-            cache=cache,
             group_by=group_by,
-            incomplete=incomplete,  # type: ignore[arg-type]  # checked above
-            shards=shards,  # type: ignore[arg-type]  # checked above
+            incomplete=incomplete,
+            shards=shards,
             row_key=row_key,
             columns=None if columns is None else columns.split(","),
             labels=labels,
@@ -315,7 +315,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         )
         in_groups = shards == "tar" and part == (0, 1) and seed is None and limit is None
         groups = (
-            tar_shard_groups(listing, ChunkConfig.from_env().memory_bytes)
+            # half the memory each: the next group is indexed while one warms
+            tar_shard_groups(listing, ChunkConfig.from_env().memory_bytes // 2)
             if in_groups
             else [listing]
         )
@@ -375,6 +376,15 @@ def _print_warm(result: dict[str, Any]) -> None:
         out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
 
 
+def _remote(
+    cache: tuple[Path, CacheFormat, int | None], listing: Manifest, **kwargs: Any
+) -> RemoteDataset:
+    """A dataset of ``listing`` with a Cache of its own over the folder (its counters count its
+    own warming alone: the next group's indexing looks up the cache while one warms)."""
+    folder, form, budget = cache
+    return RemoteDataset(listing, cache=Cache(folder, format=form, max_bytes=budget), **kwargs)
+
+
 def _warm_all(
     datasets: Iterator[RemoteDataset | CachedDataset],
     part: tuple[int, int],
@@ -384,15 +394,17 @@ def _warm_all(
     *,
     quiet: bool,
 ) -> WarmReport:
-    """Warm part ``part`` of each dataset in turn (one, or a tar dataset's groups of shards,
-    each made when its turn comes: indexing a group reads its shards), under one progress bar;
-    one report of all, what making the datasets read (the shards' indexing) and its time
-    included."""
+    """Warm part ``part`` of each dataset in turn (one, or a tar dataset's groups of shards:
+    the next is made, its shards indexed, while this one warms), under one progress bar; one
+    report of all, what making the datasets read (the shards' indexing) and its time included."""
     total, started = WarmReport(), time.perf_counter()
-    first = next(datasets)  # made before the bar: a wrong argument fails before any read
+    dataset: RemoteDataset | CachedDataset | None = next(datasets)  # before the bar: a wrong
+    # argument fails before any read
+    ahead = ThreadPoolExecutor(1, "fastload-next-group")
     with _progress(quiet) as progress:
         try:
-            for dataset in itertools.chain([first], datasets):
+            while dataset is not None:
+                upcoming = ahead.submit(next, datasets, None)
                 blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
                 indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
                 progress.samples += len(indices)
@@ -406,10 +418,11 @@ def _warm_all(
                     dataset, indices, batch_size=batch_size, threads=threads, on_progress=update
                 )
                 total = before + report
-                if total.interrupted:
-                    break
+                dataset = None if total.interrupted else upcoming.result()
         except KeyboardInterrupt:  # while the next group was indexed: what is cached stays
             total.interrupted = True
+        finally:
+            ahead.shutdown(wait=False, cancel_futures=True)
     total.seconds = time.perf_counter() - started
     return total
 
