@@ -50,6 +50,7 @@ def test_bare_paths_are_local_files(tmp_path: Any) -> None:
     [
         ("ftp://host/x", "unknown URL scheme 'ftp'"),
         ("pipe:aws s3 cp s3://b/x.tar -", "'pipe:aws s3 cp s3://b/x.tar -' is a WebDataset pipe"),
+        ("pipe:cat /data/x.tar", "'pipe:cat /data/x.tar' is a WebDataset pipe"),
         ("s3://", "malformed URL"),
         ("s3:///key", "malformed URL"),
         ("c:thing", "malformed URL"),

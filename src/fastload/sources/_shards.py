@@ -178,7 +178,7 @@ class Shards:
 
             def counted(entry: Entry) -> dict[str, np.ndarray] | BaseException:
                 index = one(entry)
-                progress.one_more(len(mine))
+                progress.one_more()
                 return index
 
             with ThreadPoolExecutor(_INDEXERS, "fastload-index") as pool:
@@ -305,7 +305,7 @@ class _Progress:
         self._count = 0
         self._read = False
 
-    def one_more(self, total: int) -> None:
+    def one_more(self) -> None:
         with self._lock:
             self._count += 1
             now, read = time.monotonic(), self._fetcher.counters.bytes - self._bytes

@@ -94,15 +94,15 @@ def parse_url(url: str | os.PathLike[str]) -> StoreURL:
     text = os.fspath(url)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"expected a non-empty URL string, got {url!r}")
-    if "://" not in text:
-        if ":" in text.split("/", 1)[0] and not os.path.isabs(text):
-            raise ConfigError(f"malformed URL (expected scheme://...): {text!r}")
-        return StoreURL("file", os.path.abspath(text))
     if text.startswith("pipe:"):  # WebDataset's: a shell command that writes the shard
         raise ConfigError(
             f"{text!r} is a WebDataset pipe: command; give fastload the shard URLs themselves "
             "(s3://bucket/train/shard-{000000..000146}.tar)"
         )
+    if "://" not in text:
+        if ":" in text.split("/", 1)[0] and not os.path.isabs(text):
+            raise ConfigError(f"malformed URL (expected scheme://...): {text!r}")
+        return StoreURL("file", os.path.abspath(text))
     scheme, path = text.split("://", 1)
     scheme = scheme.lower()
     if scheme not in SCHEMES:
