@@ -671,6 +671,18 @@ def test_sampler_blocks_every_index_once_and_local() -> None:
         PermutationSampler(n, blocks=starts, block_size=4)
 
 
+def training_reads_only(cache: Path, root: str, options: dict[str, Any]) -> None:
+    """A training dataset over ``root/train`` with the warmed ``cache`` reads every sample
+    once, and all of it (the index and every sample) from the cache."""
+    dataset = RemoteDataset(
+        f"{root}/train", shards="tar", cache=Cache(cache, format="npy"), storage_options=options
+    )
+    loader = fastload.DataLoader(dataset, batch_size=7, collate_fn=list)
+    seen = [json.loads(item["meta.json"])["n"] for batch in loader for item in batch]
+    assert sorted(seen) == list(range(SHARDS * PER_SHARD))
+    assert dataset.fetcher.counters.requests == 0
+
+
 def test_warm_cache_cli_splits_tar_shards_by_shard_then_training_reads_only_the_cache(
     seaweed: S3Server, tmp_path: Any
 ) -> None:
@@ -696,17 +708,7 @@ def test_warm_cache_cli_splits_tar_shards_by_shard_then_training_reads_only_the_
             assert summary["requests"] > 0
             fetched += summary["bytes_fetched"]
         assert shard_bytes <= fetched <= shard_bytes * 1.05  # each shard read once in all
-    dataset = RemoteDataset(
-        f"{root}/train", shards="tar", cache=Cache(tmp_path / "shared", format="npy"),
-        storage_options=options,
-    )  # fmt: skip
-    seen = [
-        item["meta.json"]
-        for batch in fastload.DataLoader(dataset, batch_size=7, collate_fn=list)
-        for item in batch
-    ]
-    assert sorted(json.loads(m)["n"] for m in seen) == list(range(SHARDS * PER_SHARD))
-    assert dataset.fetcher.counters.requests == 0  # the index and every sample came from the cache
+    training_reads_only(tmp_path / "shared", root, options)
     three = cli(*args, "--cache-dir", str(tmp_path / "three"), "--shard", "2/3")
     assert json.loads(three.stdout)["samples"] == PER_SHARD  # every third shard from 2: one
     bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
@@ -736,17 +738,7 @@ def test_warm_cache_cli_reads_a_tar_dataset_larger_than_chunk_memory_once(
     again = cli(*args, "--cache-dir", str(tmp_path / "c"), *options_args(options))
     rerun = json.loads(again.stdout)
     assert rerun["hits"] == SHARDS * PER_SHARD and rerun["requests"] == 0
-    dataset = RemoteDataset(
-        f"{root}/train", shards="tar", cache=Cache(tmp_path / "c", format="npy"),
-        storage_options=options,
-    )  # fmt: skip
-    numbers = [
-        item["meta.json"]
-        for b in fastload.DataLoader(dataset, batch_size=9, collate_fn=list)
-        for item in b
-    ]
-    assert sorted(json.loads(n)["n"] for n in numbers) == list(range(SHARDS * PER_SHARD))
-    assert dataset.fetcher.counters.requests == 0
+    training_reads_only(tmp_path / "c", root, options)
 
 
 def test_tar_shard_groups_keep_each_shard_whole_in_memory_and_a_short_last_shard_in_company() -> (
