@@ -239,6 +239,16 @@ def test_ls_and_manifest_commands(s3_objects: tuple[str, dict[str, Any]], tmp_pa
     )
     shown = json.loads(fastload("manifest", "show", str(saved), "--json").stdout)
     assert shown["objects"] == 40 and shown["url"] == root
+    saved_some = str(tmp_path / "some.npz")
+    some_url = f"{root}/00{{05..14}}.npy"
+    built = fastload("manifest", "build", some_url, "-O", saved_some, *options_args(options))
+    assert built.returncode == 0, built.stderr
+    for listed in (
+        fastload("manifest", "show", saved_some),
+        fastload("ls", some_url, *options_args(options)),
+    ):
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.startswith(f"{root} matching 00{{05..14}}.npy: 10 objects")
     code, report = warm_json(
         root, "--cache-dir", str(tmp_path / "c"), "--manifest", str(saved), *options_args(options)
     )

@@ -522,6 +522,7 @@ def manifest_show(
     listing = Manifest.load(path)
     result = {
         "url": listing.root,
+        "pattern": listing.pattern,
         "objects": len(listing),
         "bytes": listing.total_bytes,
         "fingerprint": listing.fingerprint,
