@@ -175,6 +175,12 @@ def test_indexing_says_what_it_reads_and_a_start_with_the_index_says_nothing(
     assert sum(f"of {what}, 0.0 GB read in" in line for line in said) == SHARDS
     assert any(line.startswith(f"indexed {what} in ") for line in said)
     assert again == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    chunks = ChunkConfig(memory_bytes=100_000)  # less than the shards: their reads read again
+    with caplog.at_level(logging.INFO, logger="fastload.sources._shards"):
+        RemoteDataset(f"{root}/train", shards="tar", chunks=chunks, storage_options=options)
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned.startswith(f"indexing {what} read 0.00 GB, more than the chunk memory")
 
 
 def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> None:

@@ -174,7 +174,9 @@ class Shards:
 
         def part(rank: int, world: int) -> list[dict[str, np.ndarray] | BaseException]:
             mine = todo[rank::world]
-            progress = _Progress(f"{len(mine)} {self.kind} shards under {self.root}", fetcher)
+            progress = _Progress(
+                f"{len(mine)} {self.kind} shards under {self.root}", fetcher, self.config
+            )
 
             def counted(entry: Entry) -> dict[str, np.ndarray] | BaseException:
                 index = one(entry)
@@ -294,11 +296,12 @@ def _in_chunk(error: BaseException, sample: Sample, chunk: Chunk) -> BaseExcepti
 class _Progress:
     """Says at INFO what indexing shards costs: a first start over a large dataset of small
     members reads every byte of it before the first batch (minutes), and says so, where it is
-    every ``_EVERY`` seconds, and what it read in all; a start that finds every index saved
-    says nothing."""
+    every ``_EVERY`` seconds, and what it read in all, with a warning where that is more than
+    the chunk memory keeps (the samples' reads then read the shards again); a start that
+    finds every index saved says nothing."""
 
-    def __init__(self, what: str, fetcher: Fetcher) -> None:
-        self._what, self._fetcher = what, fetcher
+    def __init__(self, what: str, fetcher: Fetcher, config: ChunkConfig) -> None:
+        self._what, self._fetcher, self._keep = what, fetcher, config.memory_bytes
         self._lock = threading.Lock()
         self._bytes = fetcher.counters.bytes
         self._started = self._said = time.monotonic()
@@ -329,4 +332,11 @@ class _Progress:
             log.info(
                 "indexed %s in %.1f s, %.2f GB read",
                 self._what, time.monotonic() - self._started, read / 1e9,
+            )  # fmt: skip
+        if read > self._keep:
+            log.warning(
+                "indexing %s read %.2f GB, more than the chunk memory that keeps what it read "
+                "(ChunkConfig.memory_bytes, %.2f GB): reading their samples reads the shards "
+                "again once (`fastload warm-cache --shards` reads each shard once)",
+                self._what, read / 1e9, self._keep / 1e9,
             )  # fmt: skip
