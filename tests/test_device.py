@@ -87,6 +87,8 @@ def test_batches_count_their_samples_whatever_the_collation() -> None:
     assert batch_size_of(samples) == 8  # (sample, label) pairs
     assert batch_size_of(tuple(zip(*samples, strict=True))) == 8  # ((samples...), (labels...))
     assert batch_size_of([image] * 8) == 8  # numpy samples, as they are
+    raw = torch.utils.data.default_collate([{"cls": b"3", "txt": "a cat"}] * 8)  # tar members
+    assert batch_size_of(raw) == 8  # lists of bytes and str: 0 samples before
     assert batch_size_of([torch.zeros(8, 3), torch.zeros(8)]) == 8  # tensors: batched fields
     # collate_fn=list over images of different sizes: 8 tensors of 3 x H x W were counted as 3
     ragged = [torch.zeros(3, 60 + i, 80) for i in range(8)]

@@ -747,6 +747,32 @@ def test_warm_cache_cli_reads_a_tar_dataset_larger_than_chunk_memory_once(
     training_reads_only(tmp_path / "c", root, options)
 
 
+def test_bench_diagnose_reads_tar_and_parquet_shards(seaweed: S3Server, tmp_path: Path) -> None:
+    """`fastload bench --diagnose` takes the sample shapes' options as warm-cache does: it
+    timed objects alone, so a dataset of shards could not be diagnosed (each shard a sample);
+    and batches of raw tar members (lists of bytes) count their samples (they counted 0)."""
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/bench-shards-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    tar_dataset(root, options)
+    write(root, options, {"events/a.parquet": parquet(pulses(0, 40))})
+    args = ["--batch-size", "8", "--steps", "3", "--workers", "0", "--step-ms", "200", "--json"]
+    args += [*options_args(options)]
+    for source, shape in (
+        (f"{root}/train/shard-{{000..003}}.tar", ["--shards", "tar"]),
+        (f"{root}/events", ["--shards", "parquet", "--columns", "event_id,time"]),
+    ):
+        done = cli("bench", "--diagnose", source, *args, *shape, "-c", str(tmp_path / shape[1]))
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["bound"] == "compute", result
+        assert result["loader_samples_per_s"] == pytest.approx(8 * result["loader_batches_per_s"])
+    wrong = cli("bench", "--diagnose", f"{root}/train", *args, "--shards", "zip")
+    assert wrong.returncode == 2 and "--shards must be tar or parquet" in wrong.stderr
+
+
 def test_tar_shard_groups_keep_each_shard_whole_in_memory_and_a_short_last_shard_in_company() -> (
     None
 ):

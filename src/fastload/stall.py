@@ -51,7 +51,8 @@ def batch_size_of(batch: Any, batch_size: int | None = None) -> int:
     """Samples in a batch: the leading size of its first tensor or array (1 for a scalar), as
     torch's collation makes them. Batches of samples as they are, which torch's collation never
     makes (their first array is one sample's): a list of dict, tuple or numpy samples
-    (``collate_fn=list``; torch's collation gives tensors) holds ``len`` of them, a tuple of
+    (``collate_fn=list``; torch's collation gives tensors) holds ``len`` of them, and so does
+    a list of strings or bytes (torch's collation of them: a tar sample's raw members), a tuple of
     tuples (``tuple(zip(*samples))``, as torchvision's detection examples collate) ``len`` of
     its first. A list of tensors is batched fields (``[images, labels]``) unless the loader's
     ``batch_size`` says otherwise: as many tensors as that, not all with it as their leading
@@ -61,7 +62,7 @@ def batch_size_of(batch: Any, batch_size: int | None = None) -> int:
         return int(batch.shape[0]) if batch.ndim else 1
     if isinstance(batch, (list, tuple)) and batch:
         if (
-            all(isinstance(s, Mapping) for s in batch)
+            all(isinstance(s, (Mapping, str, bytes)) for s in batch)
             or (isinstance(batch, list) and all(isinstance(s, (tuple, np.ndarray)) for s in batch))
             or _tensor_samples(batch, batch_size)
         ):

@@ -66,6 +66,41 @@ StorageOptions = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+# how objects become samples, as RemoteDataset's arguments of these names (warm-cache, bench)
+GroupBy = Annotated[
+    str | None, typer.Option(help="Regex whose first group names a sample's group.")
+]
+Incomplete = Annotated[
+    str,
+    typer.Option(
+        help="Groups (--group-by) or tar samples missing a member: raise, skip or accept."
+    ),
+]
+Shards = Annotated[
+    str | None,
+    typer.Option(help="tar or parquet: many samples inside each object, read in place."),
+]
+RowKey = Annotated[
+    str | None,
+    typer.Option(
+        help="With --shards parquet: the column whose runs of rows are one sample (as "
+        "training gives it: the cached samples are named by it)."
+    ),
+]
+Columns = Annotated[
+    str | None,
+    typer.Option(
+        help="With --shards parquet: the columns to read, comma-separated (as training "
+        "reads them: the cached samples are named by them)."
+    ),
+]
+Decode = Annotated[
+    str | None,
+    typer.Option(
+        help="npy, npz, pt, raw, image, tiff or module:attr (default: npy; with --shards, "
+        "the sample as read)."
+    ),
+]
 
 
 def _secrets() -> set[str]:
@@ -194,33 +229,11 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             "with its own cache), instead of SOURCE and --cache-dir.",
         ),
     ] = None,
-    group_by: Annotated[
-        str | None, typer.Option(help="Regex whose first group names a sample's group.")
-    ] = None,
-    incomplete: Annotated[
-        str,
-        typer.Option(
-            help="Groups (--group-by) or tar samples missing a member: raise, skip or accept."
-        ),
-    ] = "raise",
-    shards: Annotated[
-        str | None,
-        typer.Option(help="tar or parquet: many samples inside each object, read in place."),
-    ] = None,
-    row_key: Annotated[
-        str | None,
-        typer.Option(
-            help="With --shards parquet: the column whose runs of rows are one sample (as "
-            "training gives it: the cached samples are named by it)."
-        ),
-    ] = None,
-    columns: Annotated[
-        str | None,
-        typer.Option(
-            help="With --shards parquet: the columns to read, comma-separated (as training "
-            "reads them: the cached samples are named by them)."
-        ),
-    ] = None,
+    group_by: GroupBy = None,
+    incomplete: Incomplete = "raise",
+    shards: Shards = None,
+    row_key: RowKey = None,
+    columns: Columns = None,
     labels: Annotated[
         str | None,
         typer.Option(
@@ -231,13 +244,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     label_key: Annotated[str, typer.Option(help="The labels file's key column.")] = "key",
     label_field: Annotated[str, typer.Option(help="The labels file's label column.")] = "label",
     format: Annotated[str, typer.Option("--format", help="npy, pt or zarr.")] = "npy",
-    decode: Annotated[
-        str | None,
-        typer.Option(
-            help="npy, npz, pt, raw, image, tiff or module:attr (default: npy; with --shards, "
-            "the sample as read)."
-        ),
-    ] = None,
+    decode: Decode = None,
     transform: Annotated[str | None, typer.Option(help="module:attr of the preprocessing.")] = None,
     in_flight: Annotated[
         int,
@@ -280,12 +287,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             raise ConfigError("warm-cache needs SOURCE and --cache-dir (or --dataset)")
         cache_format = _as_format(format)
         parse_url(source)
-        if incomplete not in ("raise", "skip", "accept"):
-            raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
-        if shards not in (None, "tar", "parquet"):
-            raise ConfigError(f"--shards must be tar or parquet, got {shards!r}")
+        shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
         options = parse_options(storage_option)
-        decode_fn = None if decode is None and shards else _decoder(decode or "npy")
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
         Cache(cache_dir, format=cache_format, max_bytes=budget)  # a folder it cannot use fails now
@@ -300,18 +303,13 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         make = partial(
             _remote,
             (cache_dir, cache_format, budget),
-            decode=decode_fn,
             transform=transform_fn,
-            group_by=group_by,
-            incomplete=incomplete,
-            shards=shards,
-            row_key=row_key,
-            columns=None if columns is None else columns.split(","),
             labels=labels,
             label_key=label_key,
             label_field=label_field,
             limit=limit,
             storage_options=options,
+            **shape,
         )
         in_groups = shards == "tar" and part == (0, 1) and seed is None and limit is None
         groups = (
@@ -374,6 +372,30 @@ def _print_warm(result: dict[str, Any]) -> None:
         )
     if result["interrupted"]:
         out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
+
+
+def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order)
+    group_by: str | None,
+    incomplete: str,
+    shards: str | None,
+    row_key: str | None,
+    columns: str | None,
+    decode: str | None,
+) -> dict[str, Any]:
+    """RemoteDataset's arguments for how objects become samples, from the options of those
+    names (checked: a wrong one fails before any request)."""
+    if incomplete not in ("raise", "skip", "accept"):
+        raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
+    if shards not in (None, "tar", "parquet"):
+        raise ConfigError(f"--shards must be tar or parquet, got {shards!r}")
+    return {
+        "group_by": group_by,
+        "incomplete": incomplete,
+        "shards": shards,
+        "row_key": row_key,
+        "columns": None if columns is None else columns.split(","),
+        "decode": None if decode is None and shards else _decoder(decode or "npy"),
+    }
 
 
 def _remote(
@@ -610,7 +632,12 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         Path | None, typer.Option("--cache-dir", "-c", help="--diagnose: cache directory.")
     ] = None,
     format: Annotated[str, typer.Option("--format", help="--diagnose: pt, npy or zarr.")] = "npy",
-    decode: Annotated[str, typer.Option(help="--diagnose: decoder or module:attr.")] = "npy",
+    group_by: GroupBy = None,
+    incomplete: Incomplete = "raise",
+    shards: Shards = None,
+    row_key: RowKey = None,
+    columns: Columns = None,
+    decode: Decode = None,
     transform: Annotated[str | None, typer.Option(help="--diagnose: module:attr.")] = None,
     batch_size: Annotated[int, typer.Option(help="--diagnose: samples per batch.")] = 32,
     workers: Annotated[int | None, typer.Option(help="--diagnose: DataLoader workers.")] = None,
@@ -627,8 +654,9 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     """--diagnose one data source: is the loader or the step the bottleneck? (The benchmark
     suite against the peers is a tool of the repository: ``make bench``.)"""
     fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
+    shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
     result = _diagnose(
-        diagnose, cache_dir, format, _decoder(decode), transform, batch_size, workers,
+        diagnose, cache_dir, format, shape, transform, batch_size, workers,
         steps, fn, parse_options(storage_option),
     )  # fmt: skip
     _emit(result, as_json, lambda: out.print(result["verdict"]))
@@ -642,7 +670,7 @@ def _diagnose(  # noqa: PLR0917
     source: str,
     cache_dir: Path | None,
     format: str,
-    decode: str | Callable[[Any], Any],
+    shape: dict[str, Any],
     transform: str | None,
     batch_size: int,
     workers: int | None,
@@ -654,10 +682,10 @@ def _diagnose(  # noqa: PLR0917
     parse_url(source)
     dataset = RemoteDataset(
         source,
-        decode=decode,
         transform=load_object(transform, "transform") if transform else None,
         cache=Cache(cache_dir, format=cache_format) if cache_dir else None,
         storage_options=options,
+        **shape,
     )
     loader = fastload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
     return fastload.diagnose(loader, step, steps=steps)
