@@ -747,6 +747,20 @@ def test_warm_cache_cli_reads_a_tar_dataset_larger_than_chunk_memory_once(
     training_reads_only(tmp_path / "c", root, options)
 
 
+def padded(events: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """A collate_fn for runs of pulses: each column padded to the longest run."""
+    longest = max(len(event["time"]) for event in events)
+    return {
+        name: torch.stack(
+            [
+                torch.nn.functional.pad(torch.as_tensor(e[name]), (0, longest - len(e[name])))
+                for e in events
+            ]
+        )
+        for name in events[0]
+    }
+
+
 def test_bench_diagnose_reads_tar_and_parquet_shards(seaweed: S3Server, tmp_path: Path) -> None:
     """`fastload bench --diagnose` takes the sample shapes' options as warm-cache does: it
     timed objects alone, so a dataset of shards could not be diagnosed (each shard a sample);
@@ -758,13 +772,20 @@ def test_bench_diagnose_reads_tar_and_parquet_shards(seaweed: S3Server, tmp_path
     options = seaweed.storage_options()
     tar_dataset(root, options)
     write(root, options, {"events/a.parquet": parquet(pulses(0, 40))})
+    pad = "tests.test_shards:padded"
     args = ["--batch-size", "8", "--steps", "3", "--workers", "0", "--step-ms", "200", "--json"]
     args += [*options_args(options)]
     for source, shape in (
         (f"{root}/train/shard-{{000..003}}.tar", ["--shards", "tar"]),
         (f"{root}/events", ["--shards", "parquet", "--columns", "event_id,time"]),
+        (f"{root}/events", ["--shards", "parquet", "--row-key", "event_id"]),  # ragged:
+        # collated by the user's function, as the 900K-event user pads pulses
+        (f"{root}/events", ["--shards", "parquet", "--row-key", "event_id", "--collate", pad]),
     ):
-        done = cli("bench", "--diagnose", source, *args, *shape, "-c", str(tmp_path / shape[1]))
+        done = cli("bench", "--diagnose", source, *args, *shape, "-c", str(tmp_path / "c"))
+        if shape[-1] == "event_id":  # ragged runs, no collate: torch's stack names the cause
+            assert done.returncode == 1 and "stack expects each tensor" in done.stderr
+            continue
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["bound"] == "compute", result

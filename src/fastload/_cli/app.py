@@ -648,6 +648,10 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     step: Annotated[
         str | None, typer.Option(help="--diagnose: module:attr, a step(batch) function.")
     ] = None,
+    collate: Annotated[
+        str | None,
+        typer.Option(help="--diagnose: module:attr, the loader's collate_fn (ragged samples)."),
+    ] = None,
     storage_option: StorageOptions = None,
     as_json: AsJson = False,
 ) -> None:
@@ -655,9 +659,14 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     suite against the peers is a tool of the repository: ``make bench``.)"""
     fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
     shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
+    loading = {
+        "batch_size": batch_size,
+        "num_workers": workers,
+        "collate_fn": load_object(collate, "collate") if collate else None,
+    }
     result = _diagnose(
-        diagnose, cache_dir, format, shape, transform, batch_size, workers,
-        steps, fn, parse_options(storage_option),
+        diagnose, cache_dir, format, shape, transform, loading, steps, fn,
+        parse_options(storage_option),
     )  # fmt: skip
     _emit(result, as_json, lambda: out.print(result["verdict"]))
 
@@ -672,8 +681,7 @@ def _diagnose(  # noqa: PLR0917
     format: str,
     shape: dict[str, Any],
     transform: str | None,
-    batch_size: int,
-    workers: int | None,
+    loading: dict[str, Any],
     steps: int,
     step: Callable[[Any], object] | None,
     options: dict[str, Any],
@@ -687,7 +695,7 @@ def _diagnose(  # noqa: PLR0917
         storage_options=options,
         **shape,
     )
-    loader = fastload.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+    loader = fastload.DataLoader(dataset, shuffle=True, **loading)
     return fastload.diagnose(loader, step, steps=steps)
 
 
