@@ -321,7 +321,7 @@ class Manifest(Sequence[Entry]):
 
     def __getitem__(self, index: int | slice) -> Entry | Manifest:
         if isinstance(index, slice):
-            return self._take(np.arange(len(self))[index])
+            return self._take(np.arange(*index.indices(len(self))))  # the slice's alone
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"Manifest index {index} out of range for {n} entries")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, pairwise
 from typing import Any
 
 import numpy as np
@@ -118,34 +118,33 @@ def tar_shard_groups(manifest: Manifest, memory_bytes: int) -> list[Manifest]:
     """A tar dataset's objects in groups to index and warm one after another, each group's
     shards small enough for the reader to keep whole what indexing read of them (at most
     ``memory_bytes`` over the group's shards, each its equal share): warming a group then reads
-    none of its shards again. The objects that are not tar shards go with the first group;
-    a manifest that carries the shards' indexes (indexing reads nothing) is one group.
+    none of its shards again. Each group is a run of the manifest (the objects that are not tar
+    shards go with the shards beside them); a manifest that carries the shards' indexes
+    (indexing reads nothing) is one group.
 
     Indexing every shard before warming any keeps only ``memory_bytes`` of what it read, so a
     dataset of small members larger than that was read twice: to index it, and to warm it.
     """
     if manifest.shard_indexes is not None:
         return [manifest]
-    groups: list[set[str]] = [set()]
-    largest = 0
+    keys: list[str] = manifest.keys()
+    sizes = manifest.sizes.tolist()
+    starts: list[int] = []  # where each group's first shard is, from the last group back
+    count = largest = 0
     # from the last shard back: the group that comes out short is the first, not the last
     # (a last shard of a few samples, or none, would be a dataset of no samples on its own)
-    for entry in reversed(manifest):
-        if not entry.key.lower().endswith(TarShards.suffixes):
+    for at in range(len(keys) - 1, -1, -1):
+        if not keys[at].lower().endswith(TarShards.suffixes):
             continue
-        group = groups[-1]
-        if group and (len(group) + 1) * max(largest, entry.size) > memory_bytes:
-            groups.append(group := set())
-            largest = 0
-        group.add(entry.key)
-        largest = max(largest, entry.size)
-    groups.reverse()
-    groups[0] |= set(manifest.keys()).difference(*groups)  # not tar shards
-    return [_only(manifest, keys) for keys in groups]
-
-
-def _only(manifest: Manifest, keys: set[str]) -> Manifest:
-    return manifest.filter(lambda entry: entry.key in keys)
+        if count and (count + 1) * max(largest, sizes[at]) > memory_bytes:
+            count = largest = 0
+        if not count:
+            starts.append(at)
+        starts[-1] = at
+        count += 1
+        largest = max(largest, sizes[at])
+    bounds = [0, *reversed(starts[:-1]), len(keys)]
+    return [manifest[a:b] for a, b in pairwise(bounds)]
 
 
 def warm_cache(
