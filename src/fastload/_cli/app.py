@@ -297,7 +297,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             if manifest
             else Manifest.build(source, storage_options=options)
         )
-        own = tar_shards_part(listing, part) if shards == "tar" else None
+        own = tar_shards_part(listing, part) if shards == "tar" and limit is None else None
         if own is not None:  # this machine's shards are all it indexes and warms
             listing, part = own, (0, 1)
         make = partial(
