@@ -138,9 +138,10 @@ def tar_shard_groups(manifest: Manifest, memory_bytes: int) -> list[Manifest]:
             continue
         if count and (count + 1) * max(largest, sizes[at]) > memory_bytes:
             count = largest = 0
-        if not count:
+        if count:
+            starts[-1] = at
+        else:
             starts.append(at)
-        starts[-1] = at
         count += 1
         largest = max(largest, sizes[at])
     bounds = [0, *reversed(starts[:-1]), len(keys)]
