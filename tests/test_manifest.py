@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastload._select import expand_braces
+from fastload._select import expand_braces, literal_prefix
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.manifest import Manifest, Strings
@@ -246,6 +246,22 @@ def test_build_on_local_files_with_a_pattern(tmp_path: Path) -> None:
 )
 def test_brace_lists_expand_as_webdataset_and_the_shell_do(pattern: str, names: list[str]) -> None:
     assert expand_braces(pattern) == names
+
+
+@pytest.mark.parametrize(
+    ("pattern", "start"),
+    [
+        ("shard-{000000..001281}.tar", "shard-00"),
+        ("train-{a,b}/x-*.tar", "train-"),
+        ("{train,val}/*.tar", ""),
+        ("img[0-9]*.png", "img"),
+        ("a?c{1,2}", "a"),
+        ("exact.tar", "exact.tar"),
+        (None, ""),
+    ],
+)
+def test_a_listing_asks_for_the_start_all_the_names_share(pattern: str | None, start: str) -> None:
+    assert literal_prefix(pattern) == start
 
 
 def test_a_brace_list_that_names_too_much_or_in_the_bucket_is_refused() -> None:

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from fastload.errors import ConfigError, ObjectNotFoundError
 from fastload.stores import parse_url
 from fastload.stores._base import Listed
+from fastload.stores._listing import common_prefix
 
-__all__ = ["expand_braces", "matches", "selected", "split_pattern"]
+__all__ = ["expand_braces", "literal_prefix", "matches", "selected", "split_pattern"]
 
 _MOST = 10_000_000  # names one pattern may expand to
 _WILDCARD = re.compile(r"[*?\[]")
@@ -63,6 +64,17 @@ def matches(pattern: str) -> tuple[set[str], Callable[[str], bool]]:
         return key in names or any(fnmatch.fnmatchcase(key, w) for w in wildcards)
 
     return names, keeps
+
+
+def literal_prefix(pattern: str | None) -> str:
+    """The start every key ``pattern`` keeps shares (``shard-{000000..001281}.tar``:
+    ``shard-00``), so a listing asks the store for those keys only, not the whole folder."""
+    if pattern is None:
+        return ""
+    names = expand_braces(pattern)
+    shared = common_prefix(min(names), max(names))
+    wildcard = _WILDCARD.search(shared)
+    return shared if wildcard is None else shared[: wildcard.start()]
 
 
 def selected(listed: Sequence[Listed], pattern: str | None, root: str) -> list[Listed]:

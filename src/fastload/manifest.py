@@ -27,7 +27,7 @@ from typing import Any, TypeVar, overload
 import fsspec.asyn
 import numpy as np
 
-from fastload._select import matches, selected, split_pattern
+from fastload._select import literal_prefix, matches, selected, split_pattern
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
@@ -276,9 +276,10 @@ class Manifest(Sequence[Entry]):
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
+                scope = prefix + literal_prefix(pattern)  # a crowded folder: its matches only
                 loop = fsspec.asyn.get_loop()
                 found = fsspec.asyn.sync(
-                    loop, list_parallel, lister, prefix, concurrency=concurrency, config=config
+                    loop, list_parallel, lister, scope, concurrency=concurrency, config=config
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
             else:  # the store's find in one call, retried whole as a page would be

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fastload import manifest as manifest_module
 from fastload.config import FetchConfig
 from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError
 from fastload.fetcher import Fetcher, Request
@@ -236,6 +237,39 @@ class ManifestConformance:
         assert (changes.added, changes.removed, changes.changed) == (1, 1, 1)
         assert changes.manifest.fingerprint != before.fingerprint
         assert changes.manifest.keys() == ["b", "c", "d"]
+
+    def test_a_brace_pattern_lists_only_the_keys_it_can_keep(
+        self, case: Case, small_pages: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A folder crowded with other objects: a brace URL asks the store only for the keys
+        that start as its names do (``train-0``), not the whole folder, and a partial name
+        as prefix still lists across "directories" (``sub-a/``, ``sub-b/``), not a sibling
+        whose name only starts alike in segments (obstore matches whole path segments)."""
+        shards = {f"train-{i:03d}.tar": b"t" * i for i in range(5)}
+        others = {f"meta/{i:04d}.json": b"{}" for i in range(120)}  # three pages of 37
+        odd = {"sub-a/x.tar": b"a", "sub-b/x.tar": b"b", "sub/x.tar": b"s", "subway.tar": b"w"}
+        case.write(shards | others | odd | {"train-005.json": b"{}", "train.tar": b"x"})
+        scopes: list[str] = []
+        real = manifest_module.list_parallel
+
+        async def recorded(lister: Any, prefix: str, **kwargs: Any) -> Any:
+            scopes.append(prefix)
+            return await real(lister, prefix, **kwargs)
+
+        monkeypatch.setattr(manifest_module, "list_parallel", recorded)
+        options = case.read_options
+        listed = Manifest.build(case.url("train-{000..004}.tar"), storage_options=options)
+        assert listed.keys() == sorted(shards)
+        assert [e.size for e in listed] == [len(shards[k]) for k in sorted(shards)]
+        across = Manifest.build(case.url("sub-{a,b}/x.tar"), storage_options=options)
+        assert across.keys() == ["sub-a/x.tar", "sub-b/x.tar"]
+        assert Manifest.build(case.url("{sub,subway}*"), storage_options=options).keys() == [
+            "sub-a/x.tar", "sub-b/x.tar", "sub/x.tar", "subway.tar"]  # fmt: skip
+        many = Manifest.build(case.url("meta/{0000..0119}.json"), storage_options=options)
+        assert many.keys() == [k.removeprefix("meta/") for k in sorted(others)]  # in ranges
+        if scopes:  # a store listed by pages (not a local folder's find)
+            base = case.root.split("/", 3)[3] + "/"
+            assert scopes == [base + s for s in ("train-00", "sub-", "sub", "meta/0")]
 
     def test_empty_prefix_is_an_error_naming_it(self, case: Case) -> None:
         empty = case.url("nothing-here")

@@ -31,14 +31,14 @@ from fastload.config import FetchConfig
 from fastload.stores._base import PAGE, Listed, PageLister, Stream
 from fastload.stores._retry import retrying
 
-__all__ = ["guards", "list_parallel"]
+__all__ = ["common_prefix", "guards", "list_parallel"]
 
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
 
 
 def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) -> list[str]:
-    varying = max(len(prefix), len(_common_prefix(page[0].key, last)))
+    varying = max(len(prefix), len(common_prefix(page[0].key, last)))
     alphabet = sorted({ch for e in page for ch in e.key[varying:]} | {"~"})
     points: list[str] = []
     for position in range(min(varying, len(last) - 1), max(len(prefix), varying - _DEPTH) - 1, -1):
@@ -47,7 +47,7 @@ def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) ->
     return [p for p in points if p > last and (hi is None or p < hi)]
 
 
-def _common_prefix(a: str, b: str) -> str:
+def common_prefix(a: str, b: str) -> str:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1

@@ -227,7 +227,8 @@ class _ObstorePages:
         if token is not None and token.broken:
             return await self._resumed(prefix, start_after, token.last, limit)
         directory = prefix.rstrip("/") or None
-        if not readable(directory or "x") or not readable(start_after or "x"):
+        whole = prefix.endswith("/") or not prefix  # obstore's prefixes are whole path segments
+        if not whole or not readable(directory or "x") or not readable(start_after or "x"):
             return await self.general.page(prefix, start_after, None, limit)
         # whole pages always: the stream keeps its chunk size for every page it gives, and a
         # range probed with a small first page would go on 100 keys at a time
