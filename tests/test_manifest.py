@@ -423,6 +423,33 @@ def test_a_b2_listing_sends_no_more_calls_than_b2sdk(b2: Any) -> None:
     assert calls == 1
 
 
+@pytest.mark.parametrize("store", ["s3", "moto", "gcs"])
+def test_a_listing_of_a_few_pages_is_one_chain_of_requests(
+    store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#21: splitting a listing into concurrent ranges after its first page sent 58 requests
+    for 2,000 keys where a chain of pages sends 2 (2-3x slower on moto and fake-gcs-server
+    through +20 ms). A listing of two full pages is one chain; a longer one still splits,
+    complete."""
+    from fastload.stores import _listing, _obstore
+
+    monkeypatch.setattr(_listing, "PAGE", 37)
+    monkeypatch.setattr(_obstore, "PAGE", 37)
+    server = request.getfixturevalue({"s3": "seaweed", "moto": "moto", "gcs": "gcs"}[store])
+    root = f"{'gs' if store == 'gcs' else 's3'}://{BUCKET}/chain-{uuid.uuid4().hex[:8]}"
+    few = {f"class{i % 3}/{i:05d}.jpg": b"x" for i in range(74)}  # two full pages
+    many = {f"class{i % 9}/{i:05d}.jpg": b"x" for i in range(600)}
+    write(f"{root}/few", server.storage_options(), few)
+    write(f"{root}/many", server.storage_options(), many)
+    with FaultProxy(server.endpoint, flavor="gcs" if store == "gcs" else "s3") as proxy:
+        options = server.storage_options(proxy.endpoint)
+        Manifest.build(f"{root}/few/class0", storage_options=options)  # the client's set-up
+        before = proxy.counters()["requests"]
+        assert Manifest.build(f"{root}/few", storage_options=options).keys() == sorted(few)
+        assert proxy.counters()["requests"] - before <= 2  # (obstore asks for 1,000 at once)
+        assert Manifest.build(f"{root}/many", storage_options=options).keys() == sorted(many)
+
+
 @pytest.mark.parametrize("store", ["s3", "gcs", "b2"])
 def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
     store: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture

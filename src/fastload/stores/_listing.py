@@ -35,6 +35,7 @@ __all__ = ["common_prefix", "guards", "list_parallel"]
 
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
+_CHAIN = 3  # full pages a listing reads one after another before it splits
 
 
 def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) -> list[str]:
@@ -124,15 +125,20 @@ async def list_parallel(
         full_pages = 0
         while True:
             page, token = await ask(prefix, lo, token, limit)
+            full_pages += len(page) >= limit  # (a stream's last page may come short, not last)
             limit = full
             inside = [e for e in page if hi is None or e.key <= hi]
             found.update((e.key, e) for e in inside)
             if token is None or len(inside) < len(page) or not inside:
                 return
-            full_pages += 1
-            # A bounded range usually ends within a page of its start: split it only once it
-            # has proved long (every split costs requests, and each request server time).
-            if not lister.split or (hi is not None and full_pages < 2):
+            # Split a range only once it has proved long (every split costs requests, and each
+            # request server time): a bounded one usually ends within a page of its start, and
+            # a listing of a few pages is quicker as one chain (2,000 keys: 2 requests, where
+            # splitting after the first page sent 58 and took 2-3x as long on moto and
+            # fake-gcs-server through +20 ms). Three pages, not two: obstore's stream tells
+            # its end only on the page after its last, so a listing of exactly two pages
+            # would split.
+            if not lister.split or full_pages < (_CHAIN if hi is None else 2):
                 continue
             points = await usable(_split_points(inside, prefix, inside[-1].key, hi))
             if points:
