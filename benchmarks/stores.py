@@ -31,6 +31,7 @@ from fastload.testing import FaultProxy, Faults, SeaweedS3Server
 BUCKET = "bench"
 SIZE = 150_000
 LATENCY = 0.020
+SMALL_LISTING = 2_000  # keys: the peers scenario's objects, a listing of two pages
 
 
 def _timed(run: Callable[[], int]) -> tuple[float, float, int]:
@@ -115,7 +116,11 @@ def fetch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
 
 
 def manifest_rows(
-    n: int, listed: int, repeats: int, progress: Callable[[str], None]
+    n: int,
+    listed: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    small: int = SMALL_LISTING,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     keys = [f"train/shard{i % 100:03d}/img_{i:08d}.jpg" for i in range(n)]
@@ -147,43 +152,57 @@ def manifest_rows(
 
     # flat keys, and directory-shaped ones (plate/well/field_channel: split points land on
     # directory names, which SeaweedFS's StartAfter skips unless the listing checks them)
-    layouts = {
-        "flat": [f"img_{i:06d}.jpg" for i in range(listed)],
-        "directories": [
-            f"P{f // 2000}/w{f // 40 % 50:02d}/f{f % 40:02d}_ch{c}.tiff"
-            for f in range(listed // 25)
-            for c in range(1, 6)
-        ],
+    layouts = {  # folder: (layout, keys)
+        "short": ("flat", [f"img_{i:06d}.jpg" for i in range(small)]),  # one chain of pages
+        "flat": ("flat", [f"img_{i:06d}.jpg" for i in range(listed)]),
+        "directories": (
+            "directories",
+            [
+                f"P{f // 2000}/w{f // 40 % 50:02d}/f{f % 40:02d}_ch{c}.tiff"
+                for f in range(listed // 25)
+                for c in range(1, 6)
+            ],
+        ),
     }
     with SeaweedS3Server() as server:
         server.create_bucket(BUCKET)
-        for layout, keys in layouts.items():
+        for folder, (layout, keys) in layouts.items():
             progress(f"stores/manifest: writing {len(keys):,} {layout} objects")
             filesystem("s3://x", server.storage_options()).pipe(
-                {f"{BUCKET}/{layout}/{key}": b"x" for key in keys}
+                {f"{BUCKET}/{folder}/{key}": b"x" for key in keys}
             )
         with FaultProxy(server.endpoint, flavor="s3", faults=Faults(latency=LATENCY)) as proxy:
             options = server.storage_options(proxy.endpoint)
             fs = filesystem("s3://x", options)
-            for layout, keys in layouts.items():
+            for folder, (layout, keys) in layouts.items():
                 times: dict[str, list[float]] = {"find": [], "parallel": []}
+                calls: dict[str, list[int]] = {"find": [], "parallel": []}
                 for _ in range(repeats):
                     progress(f"stores/manifest: fs.find vs Manifest.build, {layout}")
-                    start = time.perf_counter()
-                    found = fs.find(f"{BUCKET}/{layout}")
+                    before, start = proxy.counters()["requests"], time.perf_counter()
+                    found = fs.find(f"{BUCKET}/{folder}")
                     fs.invalidate_cache()
                     times["find"].append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    built = Manifest.build(f"s3://{BUCKET}/{layout}", storage_options=options)
+                    calls["find"].append(proxy.counters()["requests"] - before)
+                    before, start = proxy.counters()["requests"], time.perf_counter()
+                    built = Manifest.build(f"s3://{BUCKET}/{folder}", storage_options=options)
                     times["parallel"].append(time.perf_counter() - start)
+                    calls["parallel"].append(proxy.counters()["requests"] - before)
                     assert len(found) == len(built) == len(keys), (len(found), len(built))
                 find_s, parallel_s = (statistics.median(times[k]) for k in ("find", "parallel"))
                 what = f"list {len(keys):,} {layout} objects"
-                rows.append({"case": f"{what}: one fs.find (+20 ms)", "seconds": find_s})
                 rows.append(
                     {
-                        "case": f"{what}: Manifest.build parallel (+20 ms)",
+                        "case": f"{what}: one fs.find (+20 ms)",
+                        "seconds": find_s,
+                        "requests": statistics.median(calls["find"]),
+                    }
+                )
+                rows.append(
+                    {
+                        "case": f"{what}: Manifest.build (+20 ms)",
                         "seconds": parallel_s,
+                        "requests": statistics.median(calls["parallel"]),
                         "speed-up": find_s / parallel_s,
                     }
                 )

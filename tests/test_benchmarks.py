@@ -36,9 +36,10 @@ def test_fetch_benchmark_compares_every_client() -> None:
 
 
 def test_manifest_benchmark_lists_and_persists() -> None:
-    rows = stores.manifest_rows(1000, 300, 1, progress=lambda _: None)
-    assert [row["seconds"] > 0 for row in rows] == [True] * 6  # save, load, 2 layouts x 2
+    rows = stores.manifest_rows(1000, 300, 1, progress=lambda _: None, small=80)
+    assert [row["seconds"] > 0 for row in rows] == [True] * 8  # save, load, 3 layouts x 2
     assert rows[-1]["speed-up"] > 0 and "directories" in rows[-1]["case"]
+    assert "80 flat" in rows[3]["case"] and rows[3]["requests"] == 1  # one page
 
 
 def test_groups_benchmark_compares_plain_torch_groups_and_single_objects() -> None:
