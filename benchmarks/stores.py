@@ -150,8 +150,9 @@ def manifest_rows(
             }
         )
 
-    # flat keys, and directory-shaped ones (plate/well/field_channel: split points land on
-    # directory names, which SeaweedFS's StartAfter skips unless the listing checks them)
+    # a short flat listing (a chain of two pages, never split), flat keys, and directory-shaped
+    # ones (plate/well/field_channel: split points land on directory names, which SeaweedFS's
+    # StartAfter skips unless the listing checks them)
     layouts = {  # folder: (layout, keys)
         "short": ("flat", [f"img_{i:06d}.jpg" for i in range(small)]),  # one chain of pages
         "flat": ("flat", [f"img_{i:06d}.jpg" for i in range(listed)]),
