@@ -450,6 +450,25 @@ def test_a_listing_of_a_few_pages_is_one_chain_of_requests(
         assert Manifest.build(f"{root}/many", storage_options=options).keys() == sorted(many)
 
 
+def test_an_obstore_listing_cut_off_by_timeouts_loses_no_key(seaweed: Any) -> None:
+    """A stream that times out midway cannot resume; the range goes on through botocore
+    after the last key the stream returned. 1 in 4 list requests stalls past the timeout
+    here, and every key must come back, once (moving that key a page too early loses the
+    page: 1,000 keys, without an error)."""
+    root = f"s3://{BUCKET}/ahead-{uuid.uuid4().hex[:8]}"
+    keys = {f"img_{i:05d}.jpg": b"x" for i in range(2_600)}  # three pages of 1,000
+    write(root, seaweed.storage_options(), keys)
+    config = FetchConfig(timeout=0.5, retries=20, outage_budget=0, backoff=0.01, max_backoff=0.05)
+    with FaultProxy(seaweed.endpoint, flavor="s3") as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        Manifest.build(root, storage_options=options)  # the client's set-up
+        for seed in range(3):
+            proxy.set_faults(Faults(stall=0.25, stall_seconds=1.5, methods=("GET",), seed=seed))
+            listed = Manifest.build(root, storage_options=options, fetch_config=config)
+            assert listed.keys() == sorted(keys)
+        assert proxy.counters()["stall"] > 0
+
+
 @pytest.mark.parametrize("store", ["s3", "gcs", "b2"])
 def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
     store: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture
