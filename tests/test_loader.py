@@ -565,6 +565,47 @@ def test_filled_samples_removed_from_a_cache_without_budget_are_made_again_and_s
     assert len(said) == 1 and "no budget" in said[0] and "max_bytes" not in said[0]
 
 
+def test_a_filling_worker_on_a_warm_streak_leaves_the_look_to_the_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a streak of batches found cached, a filling worker looks at one batch in
+    ``_WARM_PROBE``; the loop's process counts the others' hits and makes a sample missing
+    there (right values, counted as a miss, not said to be 'gone'); a probe that finds a miss
+    turns looking on for every batch again."""
+    from fastload import dataset as module
+
+    (tmp_path / "data").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "data" / f"{i}.npy", np.full(4, i, np.int16))
+    cache = Cache(tmp_path / "cache")
+    dataset = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy", cache=cache)
+    dataset.warm(range(8))
+    worker = pickle.loads(pickle.dumps(dataset))  # a worker's copy: counters of its own
+    worker.fills_only = True
+    for _ in range(module._WARM_STREAK):
+        filled = worker.__getitems__([0, 1])
+        assert isinstance(filled, fastload.dataset.Filled) and filled.looked
+    assert worker.cache.counters.hits == 2 * module._WARM_STREAK
+    cache.delete(dataset._cache_names([5])[0])
+    hits, misses = cache.counters.hits, cache.counters.misses
+    with caplog.at_level(logging.WARNING, logger="fastload.dataset"):
+        for _ in range(module._WARM_PROBE - 1):
+            filled = worker.__getitems__([5, 2])
+            assert isinstance(filled, fastload.dataset.Filled) and not filled.looked
+            assert [int(x[0]) for x in dataset.read_filled(filled)] == [5, 2]
+    assert not [r for r in caplog.records if "gone before" in r.message]
+    assert cache.counters.misses == misses + 1  # made by the first read; the later ones hit
+    assert cache.counters.hits == hits + 2 * (module._WARM_PROBE - 1) - 1
+    assert worker.cache.counters.hits == 2 * module._WARM_STREAK  # the worker did not look
+    cache.delete(dataset._cache_names([6])[0])
+    filled = worker.__getitems__([6])  # the probe
+    assert isinstance(filled, fastload.dataset.Filled) and filled.looked
+    assert dataset._cache_names([6])[0] in cache  # made by the worker
+    cache.delete(dataset._cache_names([7])[0])
+    assert worker.__getitems__([7]).looked  # looking at every batch again
+    assert dataset._cache_names([7])[0] in cache
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_a_filling_worker_settles_a_batch_with_a_failed_sample(
     seaweed: S3Server, tmp_path: Path, policy: str
