@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from fastload.cache._batch import read_into
+from fastload.cache._batch import whole_of
 
 __all__ = ["collate"]
 
@@ -81,44 +81,18 @@ def _stack(batch: list[Any], first: Any) -> torch.Tensor | None:
 
 def _array_rows(arrays: list[np.ndarray]) -> np.ndarray | None:
     """Like arrays as the batch array the cache read them into, in order, or None."""
-    base, head = arrays[0].base, arrays[0]
-    if (
-        type(base) is not np.ndarray
-        or base.ndim != 2
-        or base.shape[0] != len(arrays)
-        or not base.flags.c_contiguous
-        or base.strides[0] != head.nbytes
-    ):
+    base, head = whole_of(arrays), arrays[0]
+    if base is None:
         return None
-    start = base.__array_interface__["data"][0]
-    if not read_into(start, base.nbytes):
-        return None
-    for row, a in enumerate(arrays):
-        if (
-            a.base is not base
-            or not a.flags.c_contiguous
-            or a.__array_interface__["data"][0] != start + row * head.nbytes
-        ):
-            return None
     return base.view(head.dtype).reshape(len(arrays), *head.shape)
 
 
 def _tensor_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """Like contiguous tensors as the batch the cache read them into, in order, or None."""
-    head = tensors[0]
-    storage = head.untyped_storage()
-    if storage.nbytes() != head.nbytes * len(tensors) or not read_into(
-        storage.data_ptr(), storage.nbytes()
-    ):
+    base, head = whole_of(tensors), tensors[0]
+    if base is None:
         return None
-    for row, t in enumerate(tensors):
-        if (
-            t.untyped_storage().data_ptr() != storage.data_ptr()
-            or t.storage_offset() * t.element_size() != row * head.nbytes
-        ):
-            return None
-    whole: torch.Tensor = head.new_empty(0).set_(storage)
-    return whole.view(len(tensors), *head.shape)
+    return torch.from_numpy(base).view(head.dtype).reshape(len(tensors), *head.shape)
 
 
 def _plain(tensor: torch.Tensor) -> bool:

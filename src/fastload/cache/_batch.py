@@ -5,7 +5,7 @@ that length read before) reads each entry of a batch in pieces (:class:`Split`):
 into a row of one batch array per blob, the bytes around them into a small buffer. The format
 checks the guess when it decodes (:meth:`fastload.cache.formats.FileFormat.decode`), and the
 collate without workers hands out a batch array whose rows are a whole batch in order
-(:func:`read_into` says which arrays those are) instead of stacking copies of them.
+(:func:`whole_of` says which arrays those are) instead of stacking copies of them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from crc32c import crc32c
 
 from fastload.cache._tree import Leaf
 
-__all__ = ["Rows", "Shared", "Spans", "Split", "read_into"]
+__all__ = ["Rows", "Shared", "Spans", "Split", "made_rows", "whole_of"]
 
 Spans = tuple[tuple[int, int], ...]
 """Where the blobs of an entry lie in it: (start, size) of each."""
@@ -165,7 +166,7 @@ class _Reuse:
 
     def __init__(self, most: int, most_bytes: int) -> None:
         self._most, self._most_bytes = most, most_bytes
-        held = (np.empty(0), 0)  # what getrefcount says of an array one tuple alone holds
+        held = [np.empty(0)]  # what getrefcount says of an array one list alone holds
         self._free = sys.getrefcount(held[0])
         self._reuse = getattr(sys, "_is_gil_enabled", lambda: True)()
         self.forget()
@@ -173,35 +174,55 @@ class _Reuse:
 
     def forget(self) -> None:
         """A new lock (another thread may have held this one at a fork) and no arrays."""
-        self._arrays: list[tuple[np.ndarray, int]] = []  # and where each one's memory starts
+        self._arrays: list[np.ndarray] = []
+        self._rows: dict[int, tuple[weakref.ref[np.ndarray], list[weakref.ref[Any]]]] = {}
+        """The leaves made of each array's rows (:meth:`made`), by the id of the first."""
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, int]) -> np.ndarray:
         with self._lock:
-            for k in range(len(self._arrays) if self._reuse else 0):
-                if (
-                    self._arrays[k][0].shape == shape
-                    and sys.getrefcount(self._arrays[k][0]) == self._free
-                ):
-                    return self._arrays[k][0]
+            arrays = self._arrays
+            for k in range(len(arrays) if self._reuse else 0):
+                if arrays[k].shape == shape and sys.getrefcount(arrays[k]) == self._free:
+                    return arrays[k]
             array = np.empty(shape, np.uint8)
-            self._arrays.append((array, array.__array_interface__["data"][0]))
+            self._arrays.append(array)
             while len(self._arrays) > self._most or (
-                sum(a.nbytes for a, _ in self._arrays) > self._most_bytes and len(self._arrays) > 1
+                sum(a.nbytes for a in self._arrays) > self._most_bytes and len(self._arrays) > 1
             ):
                 self._arrays.pop(0)
             return array
 
-    def holds(self, start: int, nbytes: int) -> bool:
+    def made(self, array: np.ndarray, rows: list[Any]) -> None:
         with self._lock:
-            return any(at == start and a.nbytes == nbytes for a, at in self._arrays)
+            # weakly held: a row alive keeps its array from reuse, and is the only proof
+            self._rows = {k: v for k, v in self._rows.items() if v[1][0]() is not None}
+            self._rows[id(rows[0])] = (weakref.ref(array), [weakref.ref(row) for row in rows])
+
+    def whole(self, rows: Sequence[Any]) -> np.ndarray | None:
+        with self._lock:
+            entry = self._rows.get(id(rows[0]))
+        array = None if entry is None else entry[0]()
+        if entry is None or array is None or len(entry[1]) != len(rows):
+            return None
+        for ref, row in zip(entry[1], rows, strict=True):
+            if ref() is not row:
+                return None
+        return array
 
 
 _BATCHES = _Reuse(8, 256 * 2**20)
 
 
-def read_into(start: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` of memory at ``start`` are a batch array that entries were read
-    into (so :mod:`fastload._collate` may hand it out: no one else's data can be changed
-    through it)."""
-    return _BATCHES.holds(start, nbytes)
+def made_rows(array: np.ndarray, rows: list[Any]) -> None:
+    """Say that ``rows`` (arrays or tensors) view each row of the batch array ``array``, in
+    order: a format's leaves, which :func:`whole_of` then knows."""
+    _BATCHES.made(array, rows)
+
+
+def whole_of(rows: Sequence[Any]) -> np.ndarray | None:
+    """The batch array that entries were read into whose rows, all of them and in order, are
+    ``rows``: the very leaves :func:`made_rows` was told of, checked by identity (a row alive
+    keeps its array from reuse). :mod:`fastload._collate` may hand it out as the batch: no one
+    else's data can be changed through it. None for anything else."""
+    return _BATCHES.whole(rows)

@@ -49,7 +49,7 @@ import torch
 from crc32c import crc32c
 
 from fastload._extras import import_extra
-from fastload.cache._batch import Shared, Spans, Split
+from fastload.cache._batch import Shared, Spans, Split, made_rows
 from fastload.cache._locks import private_dirs
 from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CorruptEntryError, UnsupportedSampleError
@@ -561,11 +561,13 @@ class NpyFormat(FileFormat):
     def _columns(self, kinds: list[str], values: list[Any], split: Split) -> list[list[Leaf]]:
         columns: list[list[Leaf]] = []
         for j, (kind, shape) in enumerate(zip(kinds, values, strict=True)):
+            array = split.group.arrays[j]
             if kind[0] == "t":
                 batch = split.group.batches[j].view(_torch_dtype(kind)).reshape(-1, *shape)
                 columns.append(list(batch.unbind(0)))
             else:
-                columns.append(list(split.group.arrays[j].view(_dtype(kind)).reshape(-1, *shape)))
+                columns.append(list(array.view(_dtype(kind)).reshape(-1, *shape)))
+            made_rows(array, columns[-1])
         return columns
 
     def _decode(self, kinds: list[str], values: list[Any], blobs: Sequence[Leaf]) -> list[Leaf]:
