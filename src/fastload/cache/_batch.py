@@ -142,16 +142,17 @@ class _Alike:
             self._starts.append(self._starts[-1] + n)
         self._rest = memoryview(bytearray(count * self._starts[-1]))
 
-    def around(self, row: int, index: int) -> memoryview:
-        """The ``index``-th run of bytes around the blobs of row ``row``'s entry."""
-        at = row * self._starts[-1] + self._starts[index]
-        return self._rest[at : at + self._around[index]]
-
     def pieces(self, row: int) -> list[memoryview]:
         """Row ``row``'s entry as buffers in order: around, blob, around, ..., around."""
-        pieces = [self.around(row, 0)]
+        rest, starts, around = self._rest, self._starts, self._around
+        at = row * starts[-1]
+        pieces = [rest[at : at + around[0]]]
         for j, (_, size) in enumerate(self.spans):
-            pieces += [self._flat[j][row * size : (row + 1) * size], self.around(row, j + 1)]
+            start = at + starts[j + 1]
+            pieces += [
+                self._flat[j][row * size : (row + 1) * size],
+                rest[start : start + around[j + 1]],
+            ]
         return pieces
 
 

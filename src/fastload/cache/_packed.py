@@ -180,7 +180,8 @@ class Packed:
         refreshed: set[str] = set()
         for digest in digests:
             shard, key = digest[:2], bytes.fromhex(digest)
-            where = self._known.get(shard, {}).get(key)
+            known = self._known.get(shard)
+            where = None if known is None else known.get(key)
             if where is None and shard not in refreshed:
                 refreshed.add(shard)
                 self._refresh(shard)
