@@ -226,6 +226,24 @@ def test_build_on_local_files_with_a_pattern(tmp_path: Path) -> None:
         Manifest.build(str(tmp_path), pattern="*.csv")
 
 
+def test_a_glob_in_a_url_that_lists_nothing_says_how_to_match_keys(tmp_path: Path) -> None:
+    """Without a brace list, '*' in a URL is a key's own character (a key may hold one): a
+    URL written as a glob lists nothing, and the error says what to write instead."""
+    for name in ["s-0.npy", "s-1.npy", "s-*/x.npy"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    with pytest.raises(ObjectNotFoundError) as caught:
+        Manifest.build(f"file://{tmp_path}/s-?.npy")
+    said = str(caught.value)
+    assert f"Manifest.build('file://{tmp_path}', pattern='s-?.npy')" in said
+    assert Manifest.build(f"file://{tmp_path}", pattern="s-?.npy").keys() == ["s-0.npy", "s-1.npy"]
+    assert Manifest.build(f"file://{tmp_path}/s-{{0,1}}.npy").keys() == ["s-0.npy", "s-1.npy"]
+    assert Manifest.build(f"file://{tmp_path}/s-*").keys() == ["x.npy"]  # a folder's own name
+    with pytest.raises(ObjectNotFoundError) as caught:
+        Manifest.build(f"file://{tmp_path}/t-0")
+    assert "pattern=" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("pattern", "names"),
     [

@@ -19,7 +19,14 @@ from fastload.stores import parse_url
 from fastload.stores._base import Listed
 from fastload.stores._listing import common_prefix
 
-__all__ = ["expand_braces", "literal_prefix", "matches", "selected", "split_pattern"]
+__all__ = [
+    "expand_braces",
+    "has_wildcard",
+    "literal_prefix",
+    "matches",
+    "selected",
+    "split_pattern",
+]
 
 _MOST = 10_000_000  # names one pattern may expand to
 _WILDCARD = re.compile(r"[*?\[]")
@@ -32,6 +39,11 @@ _SHOWN = 5
 def expand_braces(pattern: str) -> list[str]:
     """Every name ``pattern``'s braces stand for, in order (see the module docstring)."""
     return _expand(pattern, pattern)
+
+
+def has_wildcard(text: str) -> bool:
+    """Whether ``text`` has a character that fnmatch reads as a wildcard."""
+    return _WILDCARD.search(text) is not None
 
 
 def split_pattern(url: str) -> tuple[str, str | None]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, overload
 import fsspec.asyn
 import numpy as np
 
-from fastload._select import literal_prefix, matches, selected, split_pattern
+from fastload._select import has_wildcard, literal_prefix, matches, selected, split_pattern
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
@@ -298,7 +298,8 @@ class Manifest(Sequence[Entry]):
         listed = selected([e for e in listed if not _is_marker(e)], pattern, str(root))
         if not listed:
             raise ObjectNotFoundError(
-                "no objects under this prefix" + (f" matching {pattern!r}" if pattern else ""),
+                "no objects under this prefix"
+                + (f" matching {pattern!r}" if pattern else _glob_hint(str(root))),
                 url=str(root),
             )
         return cls(
@@ -606,6 +607,19 @@ def _with_pattern(url: str, pattern: str | None) -> tuple[str, str | None]:
     if in_url is not None and pattern is not None:
         raise ConfigError(f"give the key pattern in the URL or as pattern=, not both: {url!r}")
     return root, in_url if pattern is None else pattern
+
+
+def _glob_hint(url: str) -> str:
+    """What to write instead, when a URL that listed nothing looks like a glob: without a brace
+    list, ``*``, ``?`` and ``[`` are a key's own characters (a key may hold them)."""
+    folder, _, last = url.rpartition("/")
+    if not has_wildcard(last):
+        return ""
+    return (
+        f" ('*', '?' and '[' in a URL without a brace list are a key's own characters; for the "
+        f"keys a glob matches, Manifest.build({folder!r}, pattern={last!r}), and pass that "
+        "manifest to RemoteDataset)"
+    )
 
 
 def saved_or_listed(
