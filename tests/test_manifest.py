@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastload._select import expand_braces, literal_prefix
+from fastload._select import expand_braces, literal_prefixes
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.manifest import Manifest, Strings
@@ -267,19 +267,26 @@ def test_brace_lists_expand_as_webdataset_and_the_shell_do(pattern: str, names: 
 
 
 @pytest.mark.parametrize(
-    ("pattern", "start"),
+    ("pattern", "starts"),
     [
-        ("shard-{000000..001281}.tar", "shard-00"),
-        ("train-{a,b}/x-*.tar", "train-"),
-        ("{train,val}/*.tar", ""),
-        ("img[0-9]*.png", "img"),
-        ("a?c{1,2}", "a"),
-        ("exact.tar", "exact.tar"),
-        (None, ""),
+        ("shard-{000000..001281}.tar", ["shard-00"]),
+        ("train-{a,b}/x-*.tar", ["train-a/x-", "train-b/x-"]),  # a folder each
+        ("{train,val}/shard-{00..99}.tar", ["train/shard-", "val/shard-"]),
+        ("{train,val}/*.tar", ["train/", "val/"]),
+        ("{a,a/b}.tar", ["a"]),  # a name beside a folder: their shared start
+        ("{x*,xy}/a.tar", ["x"]),  # a folder with a wildcard in its name
+        ("{0000..0099}/x.tar", ["00"]),  # more folders than _FOLDERS
+        ("{train,val}-*.tar", [""]),  # one folder: the whole of it
+        ("img[0-9]*.png", ["img"]),
+        ("a?c{1,2}", ["a"]),
+        ("exact.tar", ["exact.tar"]),
+        (None, [""]),
     ],
 )
-def test_a_listing_asks_for_the_start_all_the_names_share(pattern: str | None, start: str) -> None:
-    assert literal_prefix(pattern) == start
+def test_a_listing_asks_for_the_starts_the_names_share(
+    pattern: str | None, starts: list[str]
+) -> None:
+    assert literal_prefixes(pattern) == starts
 
 
 def test_a_brace_list_that_names_too_much_or_in_the_bucket_is_refused() -> None:

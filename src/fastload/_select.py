@@ -22,7 +22,7 @@ from fastload.stores._listing import common_prefix
 __all__ = [
     "expand_braces",
     "has_wildcard",
-    "literal_prefix",
+    "literal_prefixes",
     "matches",
     "selected",
     "split_pattern",
@@ -34,6 +34,7 @@ _RANGE = re.compile(
     r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$|^([a-zA-Z])\.\.([a-zA-Z])(?:\.\.(-?\d+))?$"
 )
 _SHOWN = 5
+_FOLDERS = 64  # folders a pattern's listing asks for one by one (more: their shared start)
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -78,15 +79,28 @@ def matches(pattern: str) -> tuple[set[str], Callable[[str], bool]]:
     return names, keeps
 
 
-def literal_prefix(pattern: str | None) -> str:
-    """The start every key ``pattern`` keeps shares (``shard-{000000..001281}.tar``:
-    ``shard-00``), so a listing asks the store for those keys only, not the whole folder."""
+def literal_prefixes(pattern: str | None) -> list[str]:
+    """The starts of the keys ``pattern`` keeps, so that a listing asks the store for those
+    keys only, not the whole folder: the start all its names share (``shard-{000000..001281}.
+    tar``: ``shard-00``), or, where the names go into 2 to ``_FOLDERS`` folders below that start
+    (``{train,val}/shard-*.tar``), the start of each folder's names (``train/shard-``,
+    ``val/shard-``; no folder is then listed whole for nothing)."""
     if pattern is None:
-        return ""
+        return [""]
     names = expand_braces(pattern)
-    shared = common_prefix(min(names), max(names))
-    wildcard = _WILDCARD.search(shared)
-    return shared if wildcard is None else shared[: wildcard.start()]
+    shared = _literal(common_prefix(min(names), max(names)))
+    folders: dict[str, list[str]] = {}
+    for name in names:
+        folders.setdefault(name[: name.find("/", len(shared)) + 1], []).append(name)
+    if "" in folders or not 2 <= len(folders) <= _FOLDERS or any(map(has_wildcard, folders)):
+        return [shared]
+    return [_literal(common_prefix(min(group), max(group))) for group in folders.values()]
+
+
+def _literal(start: str) -> str:
+    """``start`` up to its first wildcard."""
+    wildcard = _WILDCARD.search(start)
+    return start if wildcard is None else start[: wildcard.start()]
 
 
 def selected(listed: Sequence[Listed], pattern: str | None, root: str) -> list[Listed]:

@@ -27,13 +27,13 @@ from typing import Any, TypeVar, overload
 import fsspec.asyn
 import numpy as np
 
-from fastload._select import has_wildcard, literal_prefix, matches, selected, split_pattern
+from fastload._select import has_wildcard, literal_prefixes, matches, selected, split_pattern
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
 from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
 from fastload.stores import open_store, parse_url, translate
-from fastload.stores._base import Listed
+from fastload.stores._base import Listed, PageLister
 from fastload.stores._listing import list_parallel
 from fastload.stores._retry import retrying
 
@@ -276,10 +276,10 @@ class Manifest(Sequence[Entry]):
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
-                scope = prefix + literal_prefix(pattern)  # a crowded folder: its matches only
+                scopes = [prefix + start for start in literal_prefixes(pattern)]  # not all
                 loop = fsspec.asyn.get_loop()
                 found = fsspec.asyn.sync(
-                    loop, list_parallel, lister, scope, concurrency=concurrency, config=config
+                    loop, _list_scopes, lister, scopes, concurrency=concurrency, config=config
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
             else:  # the store's find in one call, retried whole as a page would be
@@ -607,6 +607,18 @@ def _with_pattern(url: str, pattern: str | None) -> tuple[str, str | None]:
     if in_url is not None and pattern is not None:
         raise ConfigError(f"give the key pattern in the URL or as pattern=, not both: {url!r}")
     return root, in_url if pattern is None else pattern
+
+
+async def _list_scopes(
+    lister: PageLister, scopes: list[str], *, concurrency: int, config: FetchConfig
+) -> list[Listed]:
+    """Every key under each of ``scopes`` (none a prefix of another), sorted; the listings run
+    at once and share ``concurrency``."""
+    share = max(1, concurrency // len(scopes))
+    parts = await asyncio.gather(
+        *(list_parallel(lister, scope, concurrency=share, config=config) for scope in scopes)
+    )
+    return sorted((entry for part in parts for entry in part), key=lambda entry: entry.key)
 
 
 def _glob_hint(url: str) -> str:

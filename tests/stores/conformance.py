@@ -242,8 +242,9 @@ class ManifestConformance:
         self, case: Case, small_pages: None, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A folder crowded with other objects: a brace URL asks the store only for the keys
-        that start as its names do (``train-0``), not the whole folder, and a partial name
-        as prefix still lists across "directories" (``sub-a/``, ``sub-b/``), not a sibling
+        that start as its names do (``train-0``), not the whole folder; names in a few
+        folders are asked for folder by folder (``meta/``, ``sub/``: not the whole root); and
+        a partial name as prefix (``sub``) still lists across "directories", not a sibling
         whose name only starts alike in segments (obstore matches whole path segments)."""
         shards = {f"train-{i:03d}.tar": b"t" * i for i in range(5)}
         others = {f"meta/{i:04d}.json": b"{}" for i in range(120)}  # three pages of 37
@@ -267,9 +268,12 @@ class ManifestConformance:
             "sub-a/x.tar", "sub-b/x.tar", "sub/x.tar", "subway.tar"]  # fmt: skip
         many = Manifest.build(case.url("meta/{0000..0119}.json"), storage_options=options)
         assert many.keys() == [k.removeprefix("meta/") for k in sorted(others)]  # in ranges
+        folders = Manifest.build(case.url("{meta,sub}/*.{json,tar}"), storage_options=options)
+        assert folders.keys() == [*sorted(others), "sub/x.tar"]  # each folder, split or not
         if scopes:  # a store listed by pages (not a local folder's find)
             base = case.root.split("/", 3)[3] + "/"
-            assert scopes == [base + s for s in ("train-00", "sub-", "sub", "meta/0")]
+            starts = ["train-00", "sub-a/x.tar", "sub-b/x.tar", "sub", "meta/0", "meta/", "sub/"]
+            assert scopes == [base + s for s in starts]
 
     def test_empty_prefix_is_an_error_naming_it(self, case: Case) -> None:
         empty = case.url("nothing-here")
