@@ -36,6 +36,7 @@ __all__ = ["common_prefix", "guards", "list_parallel"]
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
 _CHAIN = 3  # full pages a listing reads one after another before it splits
+_DIGITS = "0123456789"
 
 
 def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) -> list[str]:
@@ -43,8 +44,11 @@ def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) ->
     alphabet = sorted({ch for e in page for ch in e.key[varying:]} | {"~"})
     points: list[str] = []
     for position in range(min(varying, len(last) - 1), max(len(prefix), varying - _DEPTH) - 1, -1):
-        stem = last[:position]
-        points.extend(stem + ch for ch in alphabet if ch > last[position])
+        stem, here = last[:position], last[position]
+        # a digit's place holds digits: the page's other characters (a suffix's ".jpg") there
+        # would start ranges past the last key, each an empty request or two
+        chars = _DIGITS if here in _DIGITS else alphabet
+        points.extend(stem + ch for ch in chars if ch > here)
     return [p for p in points if p > last and (hi is None or p < hi)]
 
 
