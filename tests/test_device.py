@@ -229,6 +229,26 @@ def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
     assert warm.counters.cache.hits == 64
 
 
+def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    """With workers, a sample their lookahead made counts as a miss there and again as a hit
+    where its batch is filled: the report's share of samples fetched is against the samples
+    handed out, so a cold epoch reads 100%, not misses over hits + misses."""
+    root = upload(f"s3://{BUCKET}/dw-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 64)
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.06)) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = RemoteDataset(
+            root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
+        )
+        loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2, lookahead=2)
+        cold = run(DeviceLoader(loader, "cpu"), step=0.005)
+    assert cold.counters.fetch.objects == 64 and cold.counters.cache.misses == 64
+    assert cold.counters.dataset.samples == 64
+    assert cold.bound == "data", cold.verdict
+    assert "cache misses: 100%" in cold.cause, (cold.cause, cold.counters.cache)
+
+
 def _tar_shards(folder: Path, shards: int, per: int, shape: tuple[int, ...]) -> None:
     """``shards`` tar shards of ``per`` float32 ``.npy`` members each, WebDataset-style keys."""
     folder.mkdir()

@@ -42,7 +42,7 @@ Hook = Callable[[dict[str, float], int], None]
 """Called as ``hook(metrics, step)`` every ``log_every`` steps, e.g. ``wandb.log``-style."""
 
 DATA_BOUND_ABOVE = 0.10  # share of the loop's time spent waiting that makes it data-bound
-_MISSES_MATTER = 0.2  # share of cache lookups that missed before misses are named the cause
+_MISSES_MATTER = 0.2  # share of samples that missed the cache before misses are named the cause
 _EARLY_READS_MATTER = 0.25  # share of fetches re-reading chunks dropped early, named the cause
 _PREPARE_MATTERS = 0.3  # decode+transform time, as a share of the wait, named as the cause
 
@@ -317,6 +317,18 @@ def _first_batch_why(counters: StageCounters | None) -> str:
     )
 
 
+def _missed(counters: StageCounters) -> float | None:
+    """The share of the samples handed out that missed the cache (were made); None when there
+    were no cache lookups. Against the samples handed out, not hits + misses: with DataLoader
+    workers, a sample a worker's lookahead made counts as a miss there and again as a hit where
+    its batch is filled (often in another worker, which cannot know)."""
+    cache = counters.cache
+    lookups = cache.hits + cache.misses
+    if not lookups:
+        return None
+    return min(1.0, cache.misses / (counters.dataset.samples or lookups))
+
+
 def _cause(steps: StepStats, counters: StageCounters | None) -> str:
     if counters is None:
         return (
@@ -325,7 +337,7 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         )
     cache, fetch = counters.cache, counters.fetch
     prepare, compute = counters.dataset.prepare, counters.dataset.compute
-    lookups = cache.hits + cache.misses
+    missed = _missed(counters)
     latency = (
         f"fetch latency p50 {fetch.latency.percentile(50) * 1e3:.0f} ms, "
         f"p99 {fetch.latency.percentile(99) * 1e3:.0f} ms, {fetch.retries} retries"
@@ -337,17 +349,17 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             "(the order is not by chunk); shuffle with fastload.DataLoader(shuffle=True) or "
             "PermutationSampler(blocks=dataset.blocks), or raise ChunkConfig.memory_bytes"
         )
-    if lookups and cache.misses / lookups >= _MISSES_MATTER and fetch.objects:
+    if missed is not None and missed >= _MISSES_MATTER and fetch.objects:
         return (
-            f"cache misses: {cache.misses / lookups:.0%} of samples were fetched remotely "
+            f"cache misses: {missed:.0%} of samples were fetched remotely "
             f"({latency}); warm the cache first (fastload warm-cache)"
         )
-    if not lookups and fetch.objects:
+    if missed is None and fetch.objects:
         return f"fetch latency ({latency}); no cache, so every epoch fetches again"
     if compute.count and compute.total >= _PREPARE_MATTERS * steps.wait.total:
-        missed = f"{cache.misses / lookups:.0%} of samples" if lookups else "samples"
+        share = "samples" if missed is None else f"{missed:.0%} of samples"
         return (
-            f"the wrapped dataset making missing samples ({missed} missed the cache; "
+            f"the wrapped dataset making missing samples ({share} missed the cache; "
             f"p50 {compute.percentile(50) * 1e3:.1f} ms per sample, its own reads and "
             "preprocessing, which fastload cannot see into); warm the cache first "
             "(fastload warm-cache) or read through fastload.RemoteDataset"
@@ -363,14 +375,14 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
     if prepare.count and prepare.total >= matters:
         keep = (
             "the cache keeps them for later epochs (fastload warm-cache fills it beforehand)"
-            if lookups
+            if missed is not None
             else "cache the preprocessed samples (cache=fastload.Cache(...))"
         )
         return (
             f"decode/transform: {prepare.total:.2f} s, p50 {prepare.percentile(50) * 1e3:.1f} "
             f"ms per sample; {keep}, or add workers"
         )
-    hit_rate = f"cache hit rate {cache.hits / lookups:.0%}" if lookups else "no cache lookups"
+    hit_rate = "no cache lookups" if missed is None else f"cache hit rate {1 - missed:.0%}"
     return (
         f"the loader itself ({hit_rate}): collation, worker hand-off or too few workers; "
         "try more workers or a deeper prefetch"
