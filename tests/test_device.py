@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tarfile
@@ -210,15 +211,21 @@ def test_set_epoch_through_the_device_loader_picks_the_loaders_order() -> None:
         DeviceLoader([], "cpu").set_epoch(1)
 
 
-def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
-    seaweed: S3Server, tmp_path: Path
-) -> None:
+@contextlib.contextmanager
+def _behind_latency(seaweed: S3Server, tmp_path: Path) -> Iterator[RemoteDataset]:
+    """64 objects on S3 through +60 ms, read into an npy cache in ``tmp_path``."""
     root = upload(f"s3://{BUCKET}/dv-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 64)
     with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.06)) as proxy:
         options = seaweed.storage_options(proxy.endpoint)
-        dataset = RemoteDataset(
+        yield RemoteDataset(
             root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
         )
+
+
+def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    with _behind_latency(seaweed, tmp_path) as dataset:
         loader = fastload.DataLoader(dataset, batch_size=8, num_workers=0, lookahead=0)
         cold = run(DeviceLoader(loader, "cpu"), step=0.005)
         warm = run(DeviceLoader(loader, "cpu"), step=0.1)  # 4 steps: a wide margin under load
@@ -235,12 +242,7 @@ def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
     """With workers, a sample their lookahead made counts as a miss there and again as a hit
     where its batch is filled: the report's share of samples fetched is against the samples
     handed out, so a cold epoch reads 100%, not misses over hits + misses."""
-    root = upload(f"s3://{BUCKET}/dw-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 64)
-    with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.06)) as proxy:
-        options = seaweed.storage_options(proxy.endpoint)
-        dataset = RemoteDataset(
-            root, decode="npy", cache=Cache(tmp_path, format="npy"), storage_options=options
-        )
+    with _behind_latency(seaweed, tmp_path) as dataset:
         loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2, lookahead=2)
         cold = run(DeviceLoader(loader, "cpu"), step=0.005)
     assert cold.counters.fetch.objects == 64 and cold.counters.cache.misses == 64
