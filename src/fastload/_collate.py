@@ -68,31 +68,10 @@ def _stack(batch: list[Any], first: Any) -> torch.Tensor | None:
         type(a) is np.ndarray and a.shape == head.shape and a.dtype == head.dtype for a in arrays
     ):
         return None
-    if type(first) is torch.Tensor:
-        rows = _tensor_rows(batch)
-        if rows is not None:
-            return rows
-    else:
-        whole = _array_rows(arrays)
-        if whole is not None:
-            return torch.from_numpy(whole)
+    base = whole_of(batch)  # the batch array the cache read these into, all rows in order
+    if base is not None:
+        return torch.from_numpy(base.view(head.dtype).reshape(len(arrays), *head.shape))
     return torch.from_numpy(np.stack(arrays))
-
-
-def _array_rows(arrays: list[np.ndarray]) -> np.ndarray | None:
-    """Like arrays as the batch array the cache read them into, in order, or None."""
-    base, head = whole_of(arrays), arrays[0]
-    if base is None:
-        return None
-    return base.view(head.dtype).reshape(len(arrays), *head.shape)
-
-
-def _tensor_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Like contiguous tensors as the batch the cache read them into, in order, or None."""
-    base, head = whole_of(tensors), tensors[0]
-    if base is None:
-        return None
-    return torch.from_numpy(base).view(head.dtype).reshape(len(tensors), *head.shape)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
