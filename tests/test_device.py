@@ -245,7 +245,8 @@ def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
     with _behind_latency(seaweed, tmp_path) as dataset:
         loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2, lookahead=2)
         cold = run(DeviceLoader(loader, "cpu"), step=0.005)
-    assert cold.counters.fetch.objects == 64 and cold.counters.cache.misses == 64
+    cache = cold.counters.cache  # a miss that waited for another process's make counts twice
+    assert cold.counters.fetch.objects == 64 and cache.misses - cache.waits == 64
     assert cold.counters.dataset.samples == 64
     assert cold.bound == "data", cold.verdict
     assert "cache misses: 100%" in cold.cause, (cold.cause, cold.counters.cache)

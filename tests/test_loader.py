@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing
 import os
@@ -432,8 +433,8 @@ def test_with_workers_the_workers_fetch_ahead_themselves(
     seaweed: S3Server, remote: tuple[str, dict[str, Any]], tmp_path: Path, workers: int
 ) -> None:
     """A cold epoch's fetching, decoding and preprocessing happen in the workers, the lookahead
-    included: the main process fetches nothing (it once fetched 88% of an epoch for 2
-    workers, which waited on it)."""
+    included: the main process fetches only its head start, the pass's first batches while
+    the workers start (it once fetched 88% of an epoch for 2 workers, which waited on it)."""
     root, _ = remote
     with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
         options = seaweed.storage_options(proxy.endpoint)
@@ -445,11 +446,12 @@ def test_with_workers_the_workers_fetch_ahead_themselves(
     assert values == list(range(48))
     total = loader.counters
     assert total is not None
-    assert dataset.counters.fetch.objects == 0 and dataset.counters.cache.writes == 0
+    head = (loader.lookahead + workers) * 4  # its batches: lookahead + those handed out first
+    assert dataset.counters.fetch.objects == dataset.counters.cache.writes <= head
     assert len(Cache(tmp_path)) == 48
-    # fetched once each, by the workers; a worker's last lookahead may finish after its last
-    # batch carried its counters back, so the report can come up short, never over
-    assert 0 < total.fetch.objects <= 48
+    # fetched once each; a worker's last lookahead may finish after its last batch carried its
+    # counters back, so the report can come up short, never over
+    assert dataset.counters.fetch.objects < total.fetch.objects <= 48
     made_ahead = total.cache.hits + total.cache.waits  # a batch read what a lookahead made
     assert made_ahead >= 4
 
@@ -481,8 +483,9 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     assert cold == batches(plain) and warm == batches(plain)
     assert sorted(v for batch in cold for v in batch) == list(range(48))
     main = filling.dataset.counters  # type: ignore[attr-defined]
-    assert main.dataset.samples == 96 and main.fetch.objects == 0  # read here, made there
-    assert main.cache.hits == 0 and main.cache.misses == 0  # counted where they were found
+    assert main.dataset.samples == 96  # read here, made there but for the head start's
+    assert main.fetch.objects == main.cache.misses == main.cache.writes
+    assert main.cache.hits == 0  # counted where they were found
     epoch = filling.report().counters
     assert epoch is not None and epoch.cache.hits == 48 and epoch.cache.misses == 0
     assert epoch.fetch.objects == 0
@@ -491,6 +494,42 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     if not torch.cuda.is_available():
         with pytest.warns(UserWarning, match="no accelerator is found"):
             assert batches(pinning) == cold
+
+
+@pytest.mark.parametrize("context", [None, "fork"])
+def test_while_workers_start_the_loop_caches_the_first_batches(
+    remote: tuple[str, dict[str, Any]], tmp_path: Path, context: str | None
+) -> None:
+    """A worker's start waits for the forkserver's imports: meanwhile this process makes and
+    caches the pass's first batches, those the workers are handed first and ``lookahead``
+    beyond (where the workers' own lookahead begins), and reads them without reading them
+    back. Not when the workers fork (a fork would copy its fetches mid-request)."""
+    root, options = remote
+    dataset = RemoteDataset(root, decode="npy", cache=Cache(tmp_path), storage_options=options)
+    loader = fastload.DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        lookahead=2,
+        prefetch_factor=1,
+        multiprocessing_context=context,
+    )
+    assert loader.fills
+
+    def values() -> list[int]:
+        return [int(x) for b in loader for x in b[:, 0, 0]]
+
+    assert values() == list(range(48))
+    here = copy.deepcopy(dataset.counters)
+    made = 0 if context == "fork" else (2 + 2) * 4
+    assert here.cache.writes == here.fetch.objects == here.cache.misses == made
+    assert here.cache.hits == 0  # those held were taken, the rest read without a count
+    assert len(Cache(tmp_path)) == 48
+    epoch = loader.report().counters
+    assert epoch is not None and epoch.fetch.objects == 48  # none twice
+    Cache(tmp_path).clear()
+    assert values() == list(range(48))  # cold again, but the workers run on: no head start
+    assert dataset.counters.cache.writes == made
 
 
 def test_workers_fill_only_where_reading_back_gives_the_same_batch(

@@ -247,8 +247,9 @@ def test_tar_shards_with_workers_the_workers_cache_ahead_themselves(
     seaweed: S3Server, tmp_path: Any, workers: int
 ) -> None:
     """With a cache, a shard dataset's lookahead runs in the workers as it does for single
-    objects: the main process reads no chunk and writes no entry after indexing; the workers
-    read each chunk once and write each sample once, some of them ahead of their batch."""
+    objects: after indexing the main process writes only its head start's entries (the first
+    batches, while the workers start); each chunk is read once and each sample written once,
+    some of them ahead of their batch."""
     root = f"s3://{BUCKET}/shards-ahead-{uuid.uuid4().hex[:8]}"
     tar_dataset(root, seaweed.storage_options())
     with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
@@ -262,7 +263,7 @@ def test_tar_shards_with_workers_the_workers_cache_ahead_themselves(
         values = image_numbers(loader)
     assert values == list(range(SHARDS * PER_SHARD))
     after = dataset.counters.drain()  # what this process counted since indexing
-    assert after.fetch.requests == 0 and after.cache.writes == 0
+    assert after.cache.writes <= (loader.lookahead + workers) * 5
     assert len(Cache(tmp_path, format="npy")) == SHARDS * PER_SHARD + SHARDS  # and the indexes
     assert loader.counters is not None and dataset.blocks is not None
     total = loader.counters.since(indexed)

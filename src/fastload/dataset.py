@@ -141,17 +141,20 @@ class _Batched(Dataset[Any]):
         taken instead of read back (see :data:`Read`)."""
         cache, handoff = self.cache, self._handoff_here()
         assert cache is not None
-        if how == "filled":
-            return cache.get_many(names, self._remaking(produce, cache), counted=False)
         if how == "ahead":
             made = cache.get_many(names, produce)
             handoff.keep(names, made)
             return made
-        held = handoff.take(names)
+        counted = how != "filled"  # a worker counted those
+        if not counted:
+            produce = self._remaking(produce, cache)
+        held = handoff.take(names)  # with workers, what the head start made (DataLoader)
         if not held:
-            return cache.get_many(names, produce)
+            return cache.get_many(names, produce, counted=counted)
         rest = [p for p in range(len(names)) if p not in held]
-        got = cache.get_many([names[p] for p in rest], lambda at: produce([rest[q] for q in at]))
+        got = cache.get_many(
+            [names[p] for p in rest], lambda at: produce([rest[q] for q in at]), counted=counted
+        )
         held.update(zip(rest, got, strict=True))
         return [held[p] for p in range(len(names))]
 

@@ -210,6 +210,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._follows = reshuffle and not chosen  # a new loader takes the next epoch
         self._pass_start: StageCounters | None = None  # counters when the pass began
         self._passes = 0
+        self._heading = False  # a head start is caching the pass's first batches
 
     # -- iteration -----------------------------------------------------------------------------
     @property
@@ -228,6 +229,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._consumed = 0
         self._pass_start = self.counters
         self._before_fork()
+        self._head_start()
         started = time.perf_counter()
         if isinstance(self.worker_init_fn, _WorkerInit):
             self.worker_init_fn.started = time.time()  # workers start below (if not running)
@@ -242,10 +244,33 @@ class DataLoader(tud.DataLoader[Any]):
         """Workers forked while a dataset's listing check talks to the store would copy its
         half-used connections: let the check finish first (forkserver workers need not)."""
         check = getattr(self.dataset, "listing_check", None)
-        context = self.multiprocessing_context
-        forks = context is None or context.get_start_method() == "fork"
-        if self.num_workers and forks and isinstance(check, Future) and not check.done():
+        if self.num_workers and self._forks and isinstance(check, Future) and not check.done():
             wait([check], timeout=_FORK_WAIT)
+
+    def _head_start(self) -> None:
+        """Workers filling the cache start in this pass: its first batches are cached here
+        meanwhile (:meth:`_Lookahead.head_start`), held for this process's reads of them. Not
+        before a fork, which would copy this process's fetches mid-request."""
+        starting = self._passes == 1 or not self.persistent_workers
+        if not (self.fills and starting) or self._forks:
+            return
+        for source in (self.sampler, self.batch_sampler):
+            if isinstance(source, _Lookahead):
+                source.head_start()
+                self._heading = True
+
+    def _head_end(self) -> None:
+        if self._heading:
+            self._heading = False
+            for source in (self.sampler, self.batch_sampler):
+                if isinstance(source, _Lookahead):
+                    source.head_end()
+
+    @property
+    def _forks(self) -> bool:
+        """Whether workers start by forking this process."""
+        context = self.multiprocessing_context
+        return context is None or context.get_start_method() == "fork"
 
     def _deliver(self, batches: Iterator[Any], starting: float) -> Iterator[Any]:
         """``batches`` timed (``starting``: seconds iter() took, workers started in it)."""
@@ -263,6 +288,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
         for item in batches:
+            self._head_end()
             batch = item
             if isinstance(batch, _Counted):
                 self._worker_counters.merge(batch.counters)
@@ -702,6 +728,7 @@ class _Lookahead(tud.Sampler[Any]):
         self.lookahead_source = source
         self.prefetch, self.depth, self.group, self.handed = prefetch, depth, group, handed
         self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
+        self._begun: Iterator[Any] | None = None  # a pass its head start began (workers)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "lookahead_source" not in self.__dict__:
@@ -712,11 +739,43 @@ class _Lookahead(tud.Sampler[Any]):
         return len(self.lookahead_source)
 
     def __iter__(self) -> Iterator[Any]:
+        begun, self._begun = self._begun, None
+        return begun or self._pass(iter(self.lookahead_source))
+
+    def _pass(self, items: Iterator[Any], head: Sequence[Any] = ()) -> Iterator[Any]:
+        """A pass over ``items``; ``head`` (batches) taken from them already, prefetched now."""
         one = _Pass(self.prefetch, self.depth, self.handed)
         self.passes.add(one)
-        return one.run(iter(self.lookahead_source), self.group)
+        one.started.extend(map(self.prefetch, head))
+        return one.run(items, self.group)
+
+    def head_start(self) -> None:
+        """Begin the next pass now, caching its first batches in this process while the
+        workers start: ``depth`` beyond those the workers are handed first, where their own
+        lookahead begins.
+
+        A worker's start waits for the forkserver's imports (about 1 s here), and a cold first
+        batch waited for it with this process idle.
+        """
+        self.close()  # a head start never taken
+        items = iter(self.lookahead_source)
+        count = self.depth + self.handed
+        if not self.group:
+            head = list(itertools.islice(items, count))
+            self._begun = self._pass(itertools.chain(head, items), head)
+            return
+        flat = list(itertools.islice(items, count * self.group))
+        head = [flat[i : i + self.group] for i in range(0, len(flat), self.group)]
+        self._begun = self._pass(itertools.chain(flat, items), head)
+
+    def head_end(self) -> None:
+        """The workers have started: leave the head start's batches not begun to them."""
+        for one in list(self.passes):
+            for future in one.started:
+                future.cancel()
 
     def close(self) -> None:
+        self._begun = None
         for one in list(self.passes):
             one.close()
 
