@@ -564,6 +564,31 @@ def test_an_unusable_saved_listing_is_listed_again(
     )
 
 
+def test_a_saved_listing_of_some_keys_is_not_used_for_all(
+    seaweed: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One ``manifest_path`` for a brace URL and then for its folder: the folder's dataset
+    lists again rather than start with the brace list's keys alone (it used to, with a
+    warning that the listing had changed), and the other way round."""
+    from fastload import RemoteDataset
+
+    root = f"s3://{BUCKET}/some-{uuid.uuid4().hex[:8]}/train"
+    options = seaweed.storage_options()
+    write(root, options, {f"part-{i}.bin": b"x" for i in range(4)})
+    path = tmp_path / "listing.npz"
+    assert (
+        len(RemoteDataset(f"{root}/part-{{0..1}}.bin", manifest_path=path, storage_options=options))
+        == 2
+    )
+    with caplog.at_level(logging.WARNING, logger="fastload.manifest"):
+        assert len(RemoteDataset(root, manifest_path=path, storage_options=options)) == 4
+    assert "keeps only the keys matching 'part-{0..1}.bin'" in caplog.text
+    assert (
+        len(RemoteDataset(f"{root}/part-{{0..1}}.bin", manifest_path=path, storage_options=options))
+        == 2
+    )
+
+
 def test_a_batch_of_keys_and_versions_is_picked_as_one_by_one() -> None:
     """``Strings.pick`` (a warm batch's cache names) gives what indexing one by one gives, for
     keys with folders, spaces, non-ASCII, an undecodable byte, an empty version; the first

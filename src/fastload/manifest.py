@@ -659,7 +659,10 @@ def saved_or_listed(
 
     def on_zero() -> tuple[Manifest, bool]:
         try:
-            return Manifest.load(path, url=url), True
+            saved = Manifest.load(path, url=url)
+            if saved.pattern == split_pattern(url)[1]:
+                return saved, True
+            raise ConfigError(f"it keeps only the keys matching {saved.pattern!r}")
         except FileNotFoundError:
             pass
         except ConfigError as exc:
