@@ -253,6 +253,17 @@ def test_ls_and_manifest_commands(s3_objects: tuple[str, dict[str, Any]], tmp_pa
         root, "--cache-dir", str(tmp_path / "c"), "--manifest", str(saved), *options_args(options)
     )
     assert code == 0 and report["samples"] == 40
+    # --pattern: a glob over SOURCE's keys (in a URL, '*' would be a key's own character)
+    globbed = json.loads(
+        fastload("ls", root, "--pattern", "003?.npy", *options_args(options), "--json").stdout
+    )
+    assert globbed["objects"] == 10 and globbed["pattern"] == "003?.npy"
+    for extra in ([], ["--manifest", str(saved)]):
+        code, report = warm_json(
+            root, "--cache-dir", str(tmp_path / "p"), "--pattern", "*[05].npy", *extra,
+            *options_args(options),
+        )  # fmt: skip
+        assert code == 0 and report["samples"] == 8
 
 
 @pytest.mark.parametrize("store", ["gcs", "b2"])

@@ -235,6 +235,7 @@ def test_a_glob_in_a_url_that_lists_nothing_says_how_to_match_keys(tmp_path: Pat
     with pytest.raises(ObjectNotFoundError) as caught:
         Manifest.build(f"file://{tmp_path}/s-?.npy")
     said = str(caught.value)
+    assert f"RemoteDataset('file://{tmp_path}', pattern='s-?.npy')" in said
     assert f"Manifest.build('file://{tmp_path}', pattern='s-?.npy')" in said
     assert Manifest.build(f"file://{tmp_path}", pattern="s-?.npy").keys() == ["s-0.npy", "s-1.npy"]
     assert Manifest.build(f"file://{tmp_path}/s-{{0,1}}.npy").keys() == ["s-0.npy", "s-1.npy"]
@@ -587,6 +588,34 @@ def test_a_saved_listing_of_some_keys_is_not_used_for_all(
         len(RemoteDataset(f"{root}/part-{{0..1}}.bin", manifest_path=path, storage_options=options))
         == 2
     )
+
+
+def test_a_dataset_keeps_the_keys_its_pattern_matches(seaweed: Any, tmp_path: Path) -> None:
+    """``RemoteDataset(folder, pattern=...)``: a glob needs no Manifest of the user's. Its
+    saved listing is its own (a cache's folder holds one per URL and pattern), reused at the
+    next start; over a Manifest the pattern filters it; with a brace list in the URL too it is
+    an error."""
+    from fastload import Cache, RemoteDataset
+
+    root = f"s3://{BUCKET}/pattern-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    names = ["train/a.npy", "train/b.npy", "train/sub/c.npy", "train/notes.txt", "val/d.npy"]
+    write(root, options, dict.fromkeys(names, b"x") | {"train/": b""})  # a folder marker
+
+    def keys(**kwargs: Any) -> list[str]:
+        dataset = RemoteDataset(root, cache=Cache(tmp_path), storage_options=options, **kwargs)
+        return [dataset.manifest[i].key for i in range(len(dataset))]
+
+    assert keys(pattern="train/*.npy") == ["train/a.npy", "train/b.npy", "train/sub/c.npy"]
+    assert keys() == sorted(names)  # not the pattern's saved listing
+    assert keys(pattern="{train,val}/?.npy") == ["train/a.npy", "train/b.npy", "val/d.npy"]
+    assert len(list(tmp_path.rglob("*.npz"))) == 3  # a listing saved for each
+    write(root, options, {"train/e.npy": b"x"})
+    assert "train/e.npy" not in keys(pattern="train/*.npy")  # the saved one, checked behind
+    whole = Manifest.build(root, storage_options=options)
+    assert RemoteDataset(whole, pattern="val/*").manifest.keys() == ["val/d.npy"]
+    with pytest.raises(ConfigError, match="not both"):
+        RemoteDataset(f"{root}/train/{{a,b}}.npy", pattern="*.npy", storage_options=options)
 
 
 def test_a_batch_of_keys_and_versions_is_picked_as_one_by_one() -> None:

@@ -445,6 +445,9 @@ class RemoteDataset(_Batched):
         shards cannot be refreshed mid-epoch (their samples would move): list them again.
         Default: as ``on_error``.
     limit: use only the first ``limit`` samples (a quick debug run).
+    pattern: keep only the keys (relative to the URL) it matches, as
+        :meth:`Manifest.build`'s ``pattern`` (``"*.tar"``, ``"{train,val}/*.jpg"``); over a
+        :class:`Manifest`, as :meth:`Manifest.filter`'s.
     manifest_path: where the listing of a URL ``source`` is saved (default: in ``cache``'s
         folder; with neither, the URL is listed at every start). With ``reuse_listing`` (the
         default) a saved listing is used at once and listed again in the background
@@ -476,6 +479,7 @@ class RemoteDataset(_Batched):
         on_error: OnError = "raise",
         on_change: OnChange | None = None,
         limit: int | None = None,
+        pattern: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         fetch_config: FetchConfig | None = None,
         manifest_path: str | os.PathLike[str] | None = None,
@@ -502,13 +506,14 @@ class RemoteDataset(_Batched):
         self.listing_check: Future[ManifestChanges] | None = None
         listing: Path | None = None  # where the listing is saved
         if isinstance(source, Manifest):
-            manifest = source
+            manifest = source if pattern is None else source.filter(pattern=pattern)
         elif isinstance(source, str):
-            listing = _listing_path(source, manifest_path, cache, storage_options)
+            listing = _listing_path(source, pattern, manifest_path, cache, storage_options)
             manifest, self.listing_check = self._listing(
                 source,
                 listing,
                 reuse_listing,
+                pattern=pattern,
                 storage_options=storage_options,
                 fetch_config=fetch_config,
             )
@@ -587,18 +592,19 @@ class RemoteDataset(_Batched):
         path: Path | None,
         reuse: bool,
         *,
+        pattern: str | None,
         storage_options: Mapping[str, Any] | None,
         fetch_config: FetchConfig | None,
     ) -> tuple[Manifest, Future[ManifestChanges] | None]:
         if path is None or not reuse:
             manifest = Manifest.build(
-                url, storage_options=storage_options, fetch_config=fetch_config
+                url, pattern=pattern, storage_options=storage_options, fetch_config=fetch_config
             )
             if path is not None:
                 save_listing(manifest, path)
             return manifest, None
         return saved_or_listed(
-            url, path, storage_options=storage_options, fetch_config=fetch_config
+            url, path, pattern=pattern, storage_options=storage_options, fetch_config=fetch_config
         )
 
     def __repr__(self) -> str:
@@ -844,14 +850,17 @@ def _shard_source(
 
 def _listing_path(
     url: str,
+    pattern: str | None,
     path: str | os.PathLike[str] | None,
     cache: Cache | None,
     storage_options: Mapping[str, Any] | None,
 ) -> Path | None:
-    """Where the listing of ``url`` is saved: ``path``, else in ``cache``'s folder, else none."""
+    """Where the listing of ``url`` (keys matching ``pattern``) is saved: ``path``, else in
+    ``cache``'s folder, else none."""
     if path is None and cache is not None:
         store = json.dumps(dict(storage_options or {}), sort_keys=True, default=str)
-        path = cache.manifest_path(f"{url}\0{store}")
+        listed = url if pattern is None else f"{url}\0pattern={pattern}"
+        path = cache.manifest_path(f"{listed}\0{store}")
     return None if path is None else Path(path)
 
 

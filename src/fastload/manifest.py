@@ -629,8 +629,8 @@ def _glob_hint(url: str) -> str:
         return ""
     return (
         f" ('*', '?' and '[' in a URL without a brace list are a key's own characters; for the "
-        f"keys a glob matches, Manifest.build({folder!r}, pattern={last!r}), and pass that "
-        "manifest to RemoteDataset)"
+        f"keys a glob matches, RemoteDataset({folder!r}, pattern={last!r}) or "
+        f"Manifest.build({folder!r}, pattern={last!r}))"
     )
 
 
@@ -638,10 +638,12 @@ def saved_or_listed(
     url: str,
     path: Path,
     *,
+    pattern: str | None = None,
     storage_options: Mapping[str, Any] | None,
     fetch_config: FetchConfig | None,
 ) -> tuple[Manifest, Future[ManifestChanges] | None]:
-    """The manifest of ``url`` saved at ``path``, else a new listing (saved there).
+    """The manifest of ``url`` (keys matching ``pattern``) saved at ``path``, else a new
+    listing (saved there).
 
     A saved manifest is used at once, and listed again in the background: when the store's
     listing differs, a warning says how, and the new listing is saved for the next start (this
@@ -650,17 +652,18 @@ def saved_or_listed(
     decides and the others receive its manifest; only rank 0 checks.
     """
     config = fetch_config or FetchConfig.from_env()
+    wanted = _with_pattern(url, pattern)[1]  # (not both)
 
     def listed() -> Manifest:
         return Manifest._list(
-            url, pattern=None, storage_options=storage_options, parallel=True,
+            url, pattern=pattern, storage_options=storage_options, parallel=True,
             concurrency=32, config=config,
         )  # fmt: skip
 
     def on_zero() -> tuple[Manifest, bool]:
         try:
             saved = Manifest.load(path, url=url)
-            if saved.pattern == split_pattern(url)[1]:
+            if saved.pattern == wanted:
                 return saved, True
             raise ConfigError(f"it keeps only the keys matching {saved.pattern!r}")
         except FileNotFoundError:

@@ -66,6 +66,10 @@ StorageOptions = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+KeyPattern = Annotated[
+    str | None,
+    typer.Option(help="Only the keys under SOURCE it matches (e.g. '*.tar', '{train,val}/*')."),
+]
 # how objects become samples, as RemoteDataset's arguments of these names (warm-cache, bench)
 GroupBy = Annotated[
     str | None, typer.Option(help="Regex whose first group names a sample's group.")
@@ -266,6 +270,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     manifest: Annotated[
         Path | None, typer.Option(help="A saved manifest of SOURCE (skips listing).")
     ] = None,
+    pattern: KeyPattern = None,
     cost_per_1k_requests: Annotated[
         float | None, typer.Option(help="Provider's GET price per 1,000.")
     ] = None,
@@ -279,8 +284,10 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     # everything that can be wrong with the arguments fails here, before any request
     part = parse_shard(shard)
     if dataset_factory is not None:
-        if source is not None or cache_dir is not None:
-            raise ConfigError("--dataset makes its own dataset: give no SOURCE or --cache-dir")
+        if source is not None or cache_dir is not None or pattern is not None:
+            raise ConfigError(
+                "--dataset makes its own dataset: give no SOURCE, --cache-dir or --pattern"
+            )
         datasets: Iterator[RemoteDataset | CachedDataset] = iter([_made_dataset(dataset_factory)])
     else:
         if source is None or cache_dir is None:
@@ -292,11 +299,11 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
         Cache(cache_dir, format=cache_format, max_bytes=budget)  # a folder it cannot use fails now
-        listing = (
-            Manifest.load(manifest, url=source)
-            if manifest
-            else Manifest.build(source, storage_options=options)
-        )
+        if manifest is None:
+            listing = Manifest.build(source, pattern=pattern, storage_options=options)
+        else:
+            listing = Manifest.load(manifest, url=source)
+            listing = listing if pattern is None else listing.filter(pattern=pattern)
         own = tar_shards_part(listing, part) if shards == "tar" and limit is None else None
         if own is not None:  # this machine's shards are all it indexes and warms
             listing, part = own, (0, 1)
@@ -493,10 +500,11 @@ class _progress:
 def ls_command(
     source: Annotated[str, typer.Argument(help="URL of the objects.")],
     storage_option: StorageOptions = None,
+    pattern: KeyPattern = None,
     as_json: AsJson = False,
 ) -> None:
     """Count the objects under SOURCE, their total size, and show a few keys."""
-    listing = Manifest.build(source, storage_options=parse_options(storage_option))
+    listing = Manifest.build(source, pattern=pattern, storage_options=parse_options(storage_option))
     result = {
         "url": listing.root,
         "pattern": listing.pattern,
@@ -521,10 +529,11 @@ def manifest_build(
     source: Annotated[str, typer.Argument(help="URL of the objects.")],
     output: Annotated[Path, typer.Option("--output", "-O", help="Where to save the manifest.")],
     storage_option: StorageOptions = None,
+    pattern: KeyPattern = None,
     as_json: AsJson = False,
 ) -> None:
     """List SOURCE once (in parallel) and save the manifest."""
-    listing = Manifest.build(source, storage_options=parse_options(storage_option))
+    listing = Manifest.build(source, pattern=pattern, storage_options=parse_options(storage_option))
     listing.save(output)
     result = {
         "url": listing.root,
