@@ -758,15 +758,10 @@ class _Lookahead(tud.Sampler[Any]):
         batch waited for it with this process idle.
         """
         self.close()  # a head start never taken
-        items = iter(self.lookahead_source)
-        count = self.depth + self.handed
-        if not self.group:
-            head = list(itertools.islice(items, count))
-            self._begun = self._pass(itertools.chain(head, items), head)
-            return
-        flat = list(itertools.islice(items, count * self.group))
-        head = [flat[i : i + self.group] for i in range(0, len(flat), self.group)]
-        self._begun = self._pass(itertools.chain(flat, items), head)
+        items, size = iter(self.lookahead_source), max(self.group, 1)
+        taken = list(itertools.islice(items, (self.depth + self.handed) * size))
+        head = [taken[i : i + size] for i in range(0, len(taken), size)] if self.group else taken
+        self._begun = self._pass(itertools.chain(taken, items), head)
 
     def head_end(self) -> None:
         """The workers have started: leave the head start's batches not begun to them."""
