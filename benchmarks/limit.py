@@ -6,8 +6,11 @@ indexing, then ``torch.from_numpy``): no per-sample files, no checks, no loader.
 the same samples as .npy files (``file://``; the source does not matter once warm) through
 ``RemoteDataset(decode="npy", cache=Cache(format="npy"))`` and ``fastload.DataLoader(shuffle=
 True)`` at 0, 2 and 4 workers (persistent), after one epoch that fills the cache. Both run in
-this process, ``repeats`` times, interleaved; medians. CPU per sample is the user + system time
-of this process and its workers (``fastload.testing.tree_cpu_seconds``) over the epoch.
+this process, ``repeats`` times, interleaved; medians, and each ratio to the limit is the
+median of the ratios within a repeat (noise on this shared machine comes in spells, which a
+repeat's readers share). CPU per sample is the user + system time of this process (to the
+nanosecond) and of its workers (``fastload.testing.tree_cpu_seconds``: /proc's 10 ms ticks)
+over the epoch.
 
 The floor is what any reader that keeps samples as checked entries read one at a time must do,
 and nothing else: per sample, a hash of its name looked up in a dict, one ``preadv`` of the
@@ -109,14 +112,22 @@ def _memmap_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
     return batches
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (to the nanosecond; /proc counts 10 ms ticks, 0.5 µs a
+    sample over 20,000) and of its live descendants (the workers)."""
+    own = os.times()
+    workers = tree_cpu_seconds(os.getpid()) - own.user - own.system  # both in ticks
+    return time.process_time() + workers
+
+
 def _measure(batches: Callable[[], Iterable[Any]], n: int) -> tuple[float, float]:
     """Samples/s and CPU µs per sample of one pass over ``batches()``."""
-    cpu, started = tree_cpu_seconds(os.getpid()), time.perf_counter()
+    cpu, started = _cpu_seconds(), time.perf_counter()
     count = sum(len(batch) for batch in batches())
     elapsed = time.perf_counter() - started
     if count != n:
         raise AssertionError(f"an epoch gave {count} of {n} samples")
-    return n / elapsed, (tree_cpu_seconds(os.getpid()) - cpu) / n * 1e6
+    return n / elapsed, (_cpu_seconds() - cpu) / n * 1e6
 
 
 def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -151,20 +162,23 @@ def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
             for name, batches in readers.items():
                 progress(f"limit: {name} ({repeat + 1}/{repeats})")
                 measured[name].append(_measure(batches, n))
-    rows = [
+    limit = next(iter(measured.values()))
+    return [
         {
             "reader": name,
             "samples/s (median)": statistics.median(rate for rate, _ in runs),
             "CPU us/sample": statistics.median(cpu for _, cpu in runs),
+            "vs limit": _paired(runs, limit, 0),
+            "CPU vs limit": _paired(runs, limit, 1),
         }
         for name, runs in measured.items()
     ]
-    base = rows[0]["CPU us/sample"]  # 0 when the limit ran under the CPU clock's 10 ms tick
-    for row in rows:
-        row["vs limit"] = row["samples/s (median)"] / rows[0]["samples/s (median)"]
-        row["CPU vs limit"] = row["CPU us/sample"] / base if base else float("nan")
-    return rows
+
+
+def _paired(runs: list[tuple[float, float]], limit: list[tuple[float, float]], at: int) -> float:
+    """The median over repeats of ``runs``' figure ``at`` over the limit's in the same repeat."""
+    return statistics.median(run[at] / base[at] for run, base in zip(runs, limit, strict=True))
 
 
 def run_limit(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return limit_rows(512, 1, progress) if quick else limit_rows(20_000, 3, progress)
+    return limit_rows(512, 1, progress) if quick else limit_rows(20_000, 5, progress)
