@@ -13,7 +13,7 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -897,3 +897,26 @@ def test_a_workers_counters_lose_no_count_added_while_they_are_drained() -> None
     drained += counters.drain().fetch.objects
     assert drained == adds
     assert counters.drain().fetch.objects == 0  # nothing new: nothing twice
+
+
+def test_a_drain_that_counted_nothing_is_empty_and_a_count_of_any_kind_is_not() -> None:
+    """A worker's batch carries its drained counters only when they hold something (a warm
+    batch it left unlooked counts nothing: 7 in 8 on a warm streak), so the empty check must
+    see a count of every kind: an int, a float, a key skipped, a duration."""
+    from fastload.stats import StageCounters
+
+    counters = StageCounters()
+    assert counters.drain().empty and counters.drain().empty
+    counts: list[Callable[[StageCounters], None]] = [
+        lambda c: setattr(c.cache, "hits", c.cache.hits + 1),
+        lambda c: setattr(c.cache, "write_s", c.cache.write_s + 0.5),
+        lambda c: c.dataset.skipped_keys.append(f"s3://b/{len(c.dataset.skipped_keys)}"),
+        lambda c: c.dataset.prepare.add(0.002),
+        lambda c: c.fetch.latency.add(0.02),
+    ]
+    for add in counts:
+        add(counters)
+        taken = counters.drain()
+        assert not taken.empty, add
+        assert counters.drain().empty  # and a drain copies: nothing counted twice
+    assert taken.fetch.latency.count == 1 and counters.fetch.latency.count == 1

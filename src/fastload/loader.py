@@ -408,7 +408,11 @@ def _worker_counters() -> StageCounters | None:
 
 
 class _WorkerCollate:
-    """Collate, then attach the worker's counters (drained) to the batch."""
+    """Collate, then attach the worker's counters (drained) to the batch, if it counted any.
+
+    A drain, its pickling and the loop's merge cost about 85 µs a batch here (2.7 µs a sample
+    at batch 32); a worker's warm batch that it leaves unlooked counts nothing.
+    """
 
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self.collate = collate
@@ -416,7 +420,8 @@ class _WorkerCollate:
     def __call__(self, samples: list[Any] | Filled) -> Any:
         batch = samples if isinstance(samples, Filled) else self.collate(samples)
         counters = _worker_counters()
-        return batch if counters is None else _Counted(batch, counters.drain())
+        taken = None if counters is None else counters.drain()
+        return batch if taken is None or taken.empty else _Counted(batch, taken)
 
 
 class _WorkerInit:
