@@ -10,7 +10,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONSTRAINTS := requirements/constraints.txt
 URL ?=
 
-.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick docs clean gpu-check gpu-wheels
+.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick bytecode docs clean gpu-check gpu-wheels
 
 help:
 	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
@@ -52,7 +52,7 @@ test: test-main test-xla
 # servers and sleeps far more than it computes, so two workers finish in about half the time
 # on 2 cores. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test-main: env
+test-main: env bytecode
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not xla" --ignore=tests/xla $(PYTEST_ARGS)
 
 test-xla: xla-env
@@ -77,8 +77,14 @@ lint: env
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-bench: env
+bench: env bytecode
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# fastload is installed editable: where PYTHONDONTWRITEBYTECODE is set (this machine sets it),
+# every process (each reader of the benchmarks, each forkserver, each CLI call of the tests)
+# compiled its source again, about 60 ms, while the peers load their installed bytecode.
+bytecode: env
+	$(PY) -m compileall -q src tests benchmarks
 
 # On a GPU machine as it is (python3 with a CUDA torch, no network): see benchmarks/gpu_check.sh.
 gpu-check:
@@ -91,7 +97,7 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
-bench-quick: env
+bench-quick: env bytecode
 	$(PY) -m benchmarks --quick
 
 clean:
