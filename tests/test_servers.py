@@ -129,3 +129,50 @@ def test_b2_rejects_wrong_key(b2: B2Server) -> None:
     api = B2Api(InMemoryAccountInfo())
     with pytest.raises(Unauthorized):
         api.authorize_account(b2.endpoint, b2.key_id, "not-the-key")
+
+
+@pytest.mark.parametrize("when", ["before it starts", "after it answers"])
+def test_a_seaweedfs_that_loses_a_listeners_port_starts_again_on_fresh_ports(when: str) -> None:
+    """weed mini checks its ports at start, and answers on S3 before all its listeners are
+    bound: one that loses its port to another process then kills it (a CI run lost the Iceberg
+    catalog's port so, and the first test's bucket could not be made). The start makes a
+    bucket before it returns, so either loss is a lost port race there, retried on fresh
+    ports. The second is simulated (a real one is a matter of timing): the server is killed as
+    it answers, its log saying why."""
+    import signal
+    import socket
+
+    from fastload.testing import SeaweedS3Server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    commands: list[list[str]] = []
+
+    class Raced(SeaweedS3Server):
+        def command(self) -> list[str]:
+            args = list(super().command())
+            if not commands and when == "before it starts":
+                at = next(i for i, a in enumerate(args) if a.startswith("-s3.port.iceberg="))
+                args[at] = f"-s3.port.iceberg={port}"
+            commands.append(args)
+            return args
+
+        def after_start(self) -> None:
+            if len(commands) == 1 and when == "after it answers" and self.pid is not None:
+                os.killpg(self.pid, signal.SIGKILL)
+                assert self._proc is not None
+                self._proc.wait()
+                with self.log_path.open("a") as log:
+                    log.write(f"Iceberg listener on 127.0.0.1:{port} error: listen tcp: bind: "
+                              "address already in use\n")  # fmt: skip
+            super().after_start()
+
+    try:
+        with Raced() as server:
+            server.create_bucket("after-a-lost-race")
+            assert server.client().list_objects_v2(Bucket="after-a-lost-race")["KeyCount"] == 0
+    finally:
+        taken.close()
+    assert len(commands) == 2

@@ -47,6 +47,10 @@ def http_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+_PORT_RACE = ("address already in use", "port allocation failed")  # the last: weed mini's
+"""What a server's log says when a port chosen free was taken before it bound it."""
+
+
 def _tree_sum(pid: int, measure: Callable[[int], float]) -> float:
     """``measure(p)`` summed over process ``pid`` and all its live descendants (Linux)."""
     total = 0.0
@@ -136,7 +140,7 @@ class ServerProcess:
             try:
                 return self._start_once()
             except ServerStartError as exc:
-                raced = "address already in use" in str(exc).lower()
+                raced = any(sign in str(exc).lower() for sign in _PORT_RACE)
                 if attempt == self.start_attempts or not raced:
                     raise
                 logger.warning("%s lost a port race (attempt %d); new ports", self.name, attempt)

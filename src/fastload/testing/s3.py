@@ -75,11 +75,15 @@ class S3Server(ServerProcess):
                 code = getattr(exc, "response", {}).get("Error", {}).get("Code")
                 if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     return
-                if code == "InvalidBucketName" or time.monotonic() > deadline:
+                exited = self._proc is not None and self._proc.poll() is not None
+                if code == "InvalidBucketName" or exited or time.monotonic() > deadline:
                     raise ServerStartError(
                         f"{self.name}: cannot create bucket {name!r}: {exc}\n{self.log_tail()}"
                     ) from exc
                 time.sleep(0.2)
+
+
+_READY_PROBE = "fastload-ready-probe"
 
 
 def _weed_binary() -> str:
@@ -131,6 +135,14 @@ class SeaweedS3Server(S3Server):
             f"-s3.port={self.port}",
             *ports,
         ]
+
+    def after_start(self) -> None:
+        """weed mini answers on S3 before all its listeners are bound, and one that loses its
+        port to another process then kills it (seen: the Iceberg catalog's, in a CI run). A
+        bucket made and removed here brings that into :meth:`start`, which retries on fresh
+        ports, rather than into the first test's set-up."""
+        self.create_bucket(_READY_PROBE)
+        self.client().delete_bucket(Bucket=_READY_PROBE)
 
     def environment(self) -> Mapping[str, str]:
         # weed mini takes its S3 identity from the usual AWS variables.
