@@ -488,7 +488,10 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     assert main.cache.hits == 0  # counted where they were found
     epoch = filling.report().counters
     assert epoch is not None and epoch.cache.hits == 48 and epoch.cache.misses == 0
-    assert epoch.fetch.objects == 0
+    # each object fetched once in all; a worker's lookahead that ended after its last batch of
+    # the cold pass reports with its first warm batch, so not "none in the warm pass"
+    every = filling.report("all").counters
+    assert every is not None and every.fetch.objects == 48
     # pin_memory on a machine without an accelerator: nothing to pin, as torch's loader does
     pinning = loader(2, tmp_path / "filled", pin_memory=True)
     if not torch.cuda.is_available():
@@ -525,8 +528,8 @@ def test_while_workers_start_the_loop_caches_the_first_batches(
     assert here.cache.writes == here.fetch.objects == here.cache.misses == made
     assert here.cache.hits == 0  # those held were taken, the rest read without a count
     assert len(Cache(tmp_path)) == 48
-    epoch = loader.report().counters
-    assert epoch is not None and epoch.fetch.objects == 48  # none twice
+    epoch = loader.report().counters  # none twice (short if a worker's lookahead ends late)
+    assert epoch is not None and here.fetch.objects < epoch.fetch.objects <= 48
     Cache(tmp_path).clear()
     assert values() == list(range(48))  # cold again, but the workers run on: no head start
     assert dataset.counters.cache.writes == made
