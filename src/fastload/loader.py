@@ -254,17 +254,20 @@ class DataLoader(tud.DataLoader[Any]):
         starting = self._passes == 1 or not self.persistent_workers
         if not (self.fills and starting) or self._forks:
             return
-        for source in (self.sampler, self.batch_sampler):
-            if isinstance(source, _Lookahead):
-                source.head_start()
-                self._heading = True
+        for source in self._lookaheads:
+            source.head_start()
+            self._heading = True
 
     def _head_end(self) -> None:
         if self._heading:
             self._heading = False
-            for source in (self.sampler, self.batch_sampler):
-                if isinstance(source, _Lookahead):
-                    source.head_end()
+            for source in self._lookaheads:
+                source.head_end()
+
+    @property
+    def _lookaheads(self) -> list[_Lookahead]:
+        """The lookahead around the sampler or the batch sampler (none without one)."""
+        return [s for s in (self.sampler, self.batch_sampler) if isinstance(s, _Lookahead)]
 
     @property
     def _forks(self) -> bool:
@@ -282,9 +285,8 @@ class DataLoader(tud.DataLoader[Any]):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
-            for source in (self.sampler, self.batch_sampler):
-                if isinstance(source, _Lookahead):
-                    source.close()
+            for source in self._lookaheads:
+                source.close()
 
     def _unwrapped(self, batches: Iterator[Any]) -> Iterator[Any]:
         for item in batches:

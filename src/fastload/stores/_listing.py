@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import string
 import time
 from collections.abc import Awaitable
 from functools import partial
@@ -36,7 +37,6 @@ __all__ = ["common_prefix", "guards", "list_parallel"]
 PROBE = 100  # first page of a bounded range: most such ranges are small or empty
 _DEPTH = 4  # character positions tried above the varying one
 _CHAIN = 3  # full pages a listing reads one after another before it splits
-_DIGITS = "0123456789"
 
 
 def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) -> list[str]:
@@ -47,7 +47,7 @@ def _split_points(page: list[Listed], prefix: str, last: str, hi: str | None) ->
         stem, here = last[:position], last[position]
         # a digit's place holds digits: the page's other characters (a suffix's ".jpg") there
         # would start ranges past the last key, each an empty request or two
-        chars = _DIGITS if here in _DIGITS else alphabet
+        chars = string.digits if here in string.digits else alphabet
         points.extend(stem + ch for ch in chars if ch > here)
     return [p for p in points if p > last and (hi is None or p < hi)]
 
