@@ -657,6 +657,57 @@ def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
     assert len(dataset) == 100
 
 
+def test_parquet_files_whose_columns_differ_are_named_not_mixed(
+    b2: B2Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files of one dataset written at different times and by different tools: a later export
+    added a column, another wrote an id as int32. Rows of both in one batch lost the added
+    column without a word (collate keeps the first row's keys) or changed a column's dtype from
+    batch to batch. Files whose columns and types are most files' are read; the odd one is an
+    error naming it and the difference, or left out under on_error="skip". Strings
+    dictionary-encoded (pandas, Spark) or large (polars) are the same strings."""
+    root = f"b2://{BUCKET}/drift-{uuid.uuid4().hex[:8]}"
+    options = b2.storage_options()
+
+    def table(first: int, ids: str = "int64", names: str = "string") -> pa.Table:
+        return pa.table(
+            {
+                "event_id": pa.array(range(first, first + 4), ids),
+                "name": pa.array([f"ev{i}" for i in range(first, first + 4)], names),
+            }
+        )
+
+    files = {
+        "2024/part-0.parquet": parquet(table(0)),
+        "2024/part-1.parquet": parquet(
+            table(4).cast(
+                pa.schema({"event_id": pa.int64(), "name": pa.dictionary(pa.int32(), pa.string())})
+            )
+        ),
+        "2025/part-2.parquet": parquet(table(8, names="large_string")),
+        "2025/part-3.parquet": parquet(table(12)),
+    }
+    write(root, options, files)
+    alike = RemoteDataset(root, shards="parquet", storage_options=options)
+    assert [alike[i]["name"] for i in range(len(alike))] == [f"ev{i}" for i in range(16)]
+
+    later = table(16).append_column("energy", pa.array([1.5] * 4, pa.float32()))
+    write(root, options, {"2025/part-4.parquet": parquet(later)})
+    with pytest.raises(ShardError, match=r"a column 'energy' they lack.*part-4\.parquet"):
+        RemoteDataset(root, shards="parquet", storage_options=options)
+    shared = RemoteDataset(root, shards="parquet", columns=["event_id"], storage_options=options)
+    assert sorted(int(shared[i]["event_id"]) for i in range(len(shared))) == list(range(20))
+
+    write(root, options, {"2025/part-5.parquet": parquet(table(20, ids="int32"))})
+    with pytest.raises(ShardError, match=r"'event_id' is int32 here, int64 there.*part-5"):
+        RemoteDataset(root, shards="parquet", columns=["event_id"], storage_options=options)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        skipped = RemoteDataset(root, shards="parquet", on_error="skip", storage_options=options)
+    assert "part-4.parquet" in caplog.text and "part-5.parquet" in caplog.text
+    rows = [row for batch in fastload.DataLoader(skipped, batch_size=6) for row in batch["name"]]
+    assert sorted(rows) == sorted(f"ev{i}" for i in range(16))  # the four alike files
+
+
 def test_sampler_blocks_every_index_once_and_local() -> None:
     starts = np.cumsum([0, 300, 17, 1, 400, 250, 90])
     n = 1200

@@ -18,6 +18,7 @@ process. Needs ``fastload[parquet]``.
 from __future__ import annotations
 
 import io
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,42 @@ class ParquetShards(Shards):
         return self.index_version + chosen
 
     def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
+        """Files whose columns are not most files' (see :meth:`_unlike`), then ``row_key`` runs
+        cut between two files (see :meth:`_cut`)."""
+        self._metas: dict[str, Any] = {}  # each file's parsed footer, or why it is not one
+        for entry, index in indexes:
+            try:
+                self._metas[entry.url] = self._parsed(entry, index["footer"].tobytes())
+            except ShardError as exc:  # ``_add`` names it
+                self._metas[entry.url] = exc
+        self._unlike([e for e, _ in indexes if not isinstance(self._metas[e.url], ShardError)])
+        self._cut([(e, index) for e, index in indexes if self._metas[e.url] is not None])
+
+    def _unlike(self, files: list[Entry]) -> None:
+        """A file whose columns (those read) or their types are not most files' is an error
+        naming the difference, never rows of which a batch from both would lose a column or
+        mix its types (pyarrow and pandas refuse to read such files as one table too); with
+        ``on_error="skip"`` it is left out (its footer None), named. Types alike in value are
+        one: dictionary-encoded or not, large or not (polars writes large strings and lists)."""
+        found = {entry.url: _columns(self._metas[entry.url], self.columns) for entry in files}
+        kinds = Counter(tuple(sorted(columns.items())) for columns in found.values())
+        if len(kinds) < 2:
+            return
+        most, count = kinds.most_common(1)[0]
+        common = dict(most)
+        like = next(url for url, columns in found.items() if columns == common)
+        for entry in files:
+            if found[entry.url] != common:
+                self._metas[entry.url] = None
+                self._bad(
+                    entry,
+                    f"its columns are not those of {count} of the {len(found)} files (as "
+                    f"{like}): {_difference(found[entry.url], common)}; a batch of rows from "
+                    "both would lose a column or mix its types: read the columns they share "
+                    "alike (columns=[...]) or rewrite the file",
+                )
+
+    def _cut(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
         """A ``row_key`` run that ends one file and starts another is one sample cut in two (a
         writer that starts a new file every N rows, as ``pyarrow.dataset.write_dataset(
         max_rows_per_file=...)`` does, cuts events): an error naming both files, never two half
@@ -156,10 +193,11 @@ class ParquetShards(Shards):
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         footer = index["footer"].tobytes()
-        try:
-            meta = self._parsed(entry, footer)
-        except ShardError as exc:
-            self._bad(entry, str(exc), exc)
+        meta = self._metas.pop(entry.url)
+        if meta is None:  # its columns are not the others': ``_unlike`` named it
+            return
+        if isinstance(meta, ShardError):
+            self._bad(entry, str(meta), meta)
             return
         names = meta.schema.to_arrow_schema().names
         missing = [c for c in self.columns or () if c not in names]
@@ -375,6 +413,49 @@ def _chosen(columns: Sequence[str] | None) -> tuple[str, ...] | None:
     if len(set(chosen)) < len(chosen):
         raise ConfigError(f"columns names a column twice: {columns!r}")
     return chosen
+
+
+def _columns(meta: Any, chosen: tuple[str, ...] | None) -> dict[str, str]:
+    """The type of each column read (all when ``chosen`` is None) of a file, by name."""
+    return {
+        field.name: _kind(field.type)
+        for field in meta.schema.to_arrow_schema()
+        if chosen is None or field.name in chosen
+    }
+
+
+_ALIKE = {"large_string": "string", "string_view": "string", "large_binary": "binary"}
+_ALIKE["binary_view"] = "binary"
+
+
+def _kind(kind: Any) -> str:
+    """A pyarrow type as the values it gives: a dictionary's as its values', a large string
+    or list as a string or list, a list's or struct's by its items' (not their field names)."""
+    types = import_extra("pyarrow", extra="parquet", feature="shards='parquet'").types
+    if types.is_dictionary(kind):
+        return _kind(kind.value_type)
+    if types.is_fixed_size_list(kind):
+        return f"list<{_kind(kind.value_type)}>[{kind.list_size}]"
+    if _is_list(types, kind):
+        return f"list<{_kind(kind.value_type)}>"
+    if types.is_struct(kind):
+        fields = sorted(f"{f.name}: {_kind(f.type)}" for f in kind)
+        return f"struct<{', '.join(fields)}>"
+    if types.is_map(kind):
+        return f"map<{_kind(kind.key_type)}, {_kind(kind.item_type)}>"
+    return _ALIKE.get(str(kind), str(kind))
+
+
+def _difference(mine: dict[str, str], common: dict[str, str]) -> str:
+    """How a file's columns differ from the others' (the first three ways)."""
+    ways = [f"no column {name!r}" for name in common if name not in mine]
+    ways += [f"a column {name!r} they lack" for name in mine if name not in common]
+    ways += [
+        f"{name!r} is {kind} here, {common[name]} there"
+        for name, kind in mine.items()
+        if common.get(name, kind) != kind
+    ]
+    return ", ".join(ways[:3]) + (f" and {len(ways) - 3} more" if len(ways) > 3 else "")
 
 
 def _column_range(column: Any) -> tuple[int, int]:
