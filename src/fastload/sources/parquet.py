@@ -424,8 +424,12 @@ def _columns(meta: Any, chosen: tuple[str, ...] | None) -> dict[str, str]:
     }
 
 
-_ALIKE = {"large_string": "string", "string_view": "string", "large_binary": "binary"}
-_ALIKE["binary_view"] = "binary"
+_ALIKE = {  # types whose values are another's
+    "large_string": "string",
+    "string_view": "string",
+    "large_binary": "binary",
+    "binary_view": "binary",
+}
 
 
 def _kind(kind: Any) -> str:
