@@ -295,6 +295,64 @@ def test_folder_labels_are_image_folder_s(
         RemoteDataset(flat, decode="npy", labels="folders", storage_options=options)
 
 
+def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: S3Server) -> None:
+    """A validation split built apart from its training split, as ImageFolder users build it,
+    lacks a rare class: its own sorted classes coded every class after the missing one one
+    lower than training did, so evaluation scored 'fox' images against the 'dog' output
+    without a word. ``classes=train.classes`` codes them as training does; a label not among
+    them is an error naming it."""
+    root = f"s3://{BUCKET}/splits-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    layout = {
+        "train/cat/0001.npy": 0,
+        "train/dog/0002.npy": 1,
+        "train/fox/x/0003.npy": 2,
+        "val/cat/0004.npy": 0,
+        "val/fox/0005.npy": 2,  # no dog in this split
+        "test/wolf/0006.npy": 3,
+    }
+    write(root, options, {key: npy(np.full(2, code, np.float32)) for key, code in layout.items()})
+    train = RemoteDataset(f"{root}/train", decode="npy", labels="folders", storage_options=options)
+    assert train.classes == ("cat", "dog", "fox")
+    alone = RemoteDataset(f"{root}/val", decode="npy", labels="folders", storage_options=options)
+    assert alone.classes == ("cat", "fox")  # ImageFolder's way, kept as the default
+    val = RemoteDataset(
+        f"{root}/val",
+        decode="npy",
+        labels="folders",
+        classes=train.classes,
+        storage_options=options,
+    )
+    assert val.classes == train.classes
+    for batch, codes in DataLoader(val, batch_size=2):
+        assert codes.tolist() == batch[:, 0].int().tolist() == [0, 2]
+    table = {"cat/0004.npy": "fox", "fox/0005.npy": 1}  # a name, and an integer: its place
+    mixed = RemoteDataset(
+        f"{root}/val", decode="npy", labels=table, classes=["cat", "dog", "fox"],
+        storage_options=options,
+    )  # fmt: skip
+    assert [mixed[i][1] for i in range(len(mixed))] == [2, 1]
+    with pytest.raises(ConfigError, match=r"not among the 3 classes given: 'wolf' \(.*0006"):
+        RemoteDataset(
+            f"{root}/test", labels="folders", classes=train.classes, storage_options=options
+        )
+    with pytest.raises(ConfigError, match=r"not among the 3 classes given: '7'"):
+        RemoteDataset(
+            f"{root}/val", labels={"cat/0004.npy": 7, "fox/0005.npy": 0},
+            classes=train.classes, storage_options=options,
+        )  # fmt: skip
+    never = "memory://never-listed/prefix"  # named before any listing
+    for bad, message in [
+        ("cat", "non-empty list of class names"),
+        (["cat", "cat"], r"names \['cat'\] twice"),
+        ([], "non-empty list"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            RemoteDataset(never, labels="folders", classes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="it needs labels"):
+        RemoteDataset(never, classes=["cat"])
+
+
 def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
     root, options = s3_root
     cache = Cache(tmp_path, format="npy")

@@ -35,7 +35,14 @@ from fastload.errors import (
     UnsupportedSampleError,
 )
 from fastload.fetcher import Fetcher
-from fastload.manifest import Manifest, ManifestChanges, current, save_listing, saved_or_listed
+from fastload.manifest import (
+    Manifest,
+    ManifestChanges,
+    check_classes,
+    current,
+    save_listing,
+    saved_or_listed,
+)
 from fastload.ranks import rank_world
 from fastload.resources import PerProcess
 from fastload.sources import Sample, SampleSource, refreshed
@@ -432,6 +439,10 @@ class RemoteDataset(_Batched):
     labels: a mapping or CSV/JSON file by key (or by group name; ``label_key`` and
         ``label_field`` name its columns), a callable ``key -> label``, or ``"folders"``: the
         name of the folder holding each object (or group), as in torchvision's ImageFolder.
+    classes: the class names of string labels, in code order (by default this dataset's
+        labels, sorted). Give another split's (``classes=train.classes``): a validation set
+        that lacks a class would otherwise code every class after it one lower, without a
+        word. A label not among them is an error.
     cache: a :class:`fastload.Cache`; entries are keyed by object URL (or group), version and
         the fingerprints of ``decode`` and ``transform``, so a changed object or a changed
         transform is fetched and computed again.
@@ -469,6 +480,7 @@ class RemoteDataset(_Batched):
         labels: LabelSource | None = None,
         label_key: str = "key",
         label_field: str = "label",
+        classes: Sequence[str] | None = None,
         group_by: GroupRule | None = None,
         incomplete: Incomplete = "raise",
         members: int | Sequence[str] | None = None,
@@ -494,6 +506,7 @@ class RemoteDataset(_Batched):
             cache=cache,
             decode=decode,
             labels=labels,
+            classes=classes,
         )
         _check_belongs(
             shards=shards,
@@ -540,7 +553,7 @@ class RemoteDataset(_Batched):
             self.source = shard_source
         elif group_by is None:
             if labels is not None:
-                manifest = _labelled(manifest, labels, label_key, label_field)
+                manifest = _labelled(manifest, labels, label_key, label_field, classes)
             self.manifest = manifest if limit is None else manifest[:limit]
             self.source = SingleObjects(self.manifest)
             if isinstance(decode, Mapping):
@@ -554,6 +567,7 @@ class RemoteDataset(_Batched):
                 labels=labels,
                 label_key=label_key,
                 label_field=label_field,
+                classes=classes,
             )
             self.manifest = groups.manifest  # with the grouping: save it to skip grouping again
             self.source = groups
@@ -738,6 +752,7 @@ def _check_arguments(
     cache: object,
     decode: Any,
     labels: object,
+    classes: object,
 ) -> None:
     """Values that can be checked before any listing (which can take minutes)."""
     if labels is not None and not isinstance(labels, Mapping | str | os.PathLike | Callable):
@@ -745,6 +760,10 @@ def _check_arguments(
             "labels must be a mapping of key to label, a CSV or JSON file's path, 'folders' or "
             f"a callable key -> label, got {labels!r}"
         )
+    if classes is not None:
+        if labels is None:
+            raise ConfigError("classes names the classes of labels=: it needs labels")
+        check_classes(classes)
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
     if on_change not in (None, "raise", "skip", "refresh"):
@@ -865,15 +884,21 @@ def _listing_path(
 
 
 def _labelled(
-    manifest: Manifest, labels: LabelSource, label_key: str, label_field: str
+    manifest: Manifest,
+    labels: LabelSource,
+    label_key: str,
+    label_field: str,
+    classes: Sequence[str] | None,
 ) -> Manifest:
     """``manifest`` with labels per object: a table, a file, a callable or ``"folders"``."""
     keys = manifest.keys()
     if labels == "folders":
-        return _class_folders(manifest, keys)
+        return _class_folders(manifest, keys, classes)
     if callable(labels) and not isinstance(labels, (str, Mapping)):
-        return manifest.with_labels({k: labels(k) for k in keys})
-    return manifest.with_labels(labels, key_field=label_key, label_field=label_field)
+        return manifest.with_labels({k: labels(k) for k in keys}, classes=classes)
+    return manifest.with_labels(
+        labels, key_field=label_key, label_field=label_field, classes=classes
+    )
 
 
 def _dataset_print(dataset: Dataset[Any]) -> str:
@@ -890,7 +915,7 @@ def _dataset_print(dataset: Dataset[Any]) -> str:
     return f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}|{state}"
 
 
-def _class_folders(manifest: Manifest, keys: list[str]) -> Manifest:
+def _class_folders(manifest: Manifest, keys: list[str], classes: Sequence[str] | None) -> Manifest:
     """Labels as torchvision's ImageFolder gives them: each object's class is the folder right
     under the root that holds it, at any depth (``cat/indoor/1.jpg`` is a cat); objects in no
     folder are left out, and a warning names them (ImageFolder skips them too)."""
@@ -908,7 +933,7 @@ def _class_folders(manifest: Manifest, keys: list[str]) -> Manifest:
             manifest.root,
             loose[:5],
         )
-    return manifest.with_labels(table, missing="drop")
+    return manifest.with_labels(table, missing="drop", classes=classes)
 
 
 class CachedDataset(_Batched):

@@ -421,12 +421,13 @@ class Manifest(Sequence[Entry]):
         key_field: str = "key",
         label_field: str = "label",
         missing: str = "error",
+        classes: Sequence[str] | None = None,
     ) -> Manifest:
         """Join labels by key from a mapping or a CSV/JSON file.
 
         Keys may be relative to the root or full URLs. Integer labels are kept as they are;
-        string labels become codes into :attr:`classes` (sorted). ``missing="drop"`` drops
-        unlabelled entries instead of raising.
+        string labels become codes into :attr:`classes` (sorted, unless ``classes`` gives the
+        names and their order). ``missing="drop"`` drops unlabelled entries instead of raising.
         """
         if missing not in {"error", "drop"}:
             raise ConfigError(f"with_labels missing must be 'error' or 'drop', got {missing!r}")
@@ -446,7 +447,7 @@ class Manifest(Sequence[Entry]):
                 f"(first: {absent[:3]}); pass missing='drop' to leave them out"
             )
         named = [keys[i] for i in keep]
-        codes, classes = label_codes([table[key] for key in named], self.root, named)
+        codes, names = label_codes([table[key] for key in named], self.root, named, classes)
         chosen = self._take(np.asarray(keep, dtype=np.int64))
         return Manifest(
             self.root,
@@ -454,7 +455,7 @@ class Manifest(Sequence[Entry]):
             chosen._sizes,
             chosen._versions,
             labels=codes,
-            classes=classes,
+            classes=names,
             pattern=self.pattern,
         )
 
@@ -777,12 +778,16 @@ def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[
 
 
 def label_codes(
-    values: Sequence[Any], root: str, keys: Sequence[str]
+    values: Sequence[Any], root: str, keys: Sequence[str], classes: Sequence[str] | None = None
 ) -> tuple[list[int], list[str] | None]:
     """Each label's code, and the class names when the labels are names (codes index them,
     names sorted); integer labels are their own codes. A mix of the two is refused: sorted as
-    text, 10 would come before 2 and every code past it would move, silently."""
+    text, 10 would come before 2 and every code past it would move, silently. ``classes``
+    fixes the names and their order (another split's, which may hold a class this one lacks):
+    a name is its place there, an integer must be one of its places."""
     values = [_as_label(v, f"{root}/{key}") for v, key in zip(values, keys, strict=True)]
+    if classes is not None:
+        return _placed(values, root, keys, check_classes(classes)), list(classes)
     numbers = [isinstance(v, int) for v in values]
     if all(numbers):
         return [int(v) for v in values], None
@@ -795,6 +800,40 @@ def label_codes(
     classes = sorted({str(v) for v in values})
     index = {c: i for i, c in enumerate(classes)}
     return [index[str(v)] for v in values], classes
+
+
+def check_classes(classes: object) -> tuple[str, ...]:
+    """``classes=`` as a tuple of distinct non-empty names, or a ConfigError."""
+    names = tuple(classes) if isinstance(classes, list | tuple) else ()
+    if not names or not all(isinstance(c, str) and c for c in names):
+        raise ConfigError(
+            f"classes must be a non-empty list of class names (such as another split's "
+            f"dataset.classes), got {classes!r}"
+        )
+    if len(set(names)) < len(names):
+        twice = sorted({c for c in names if names.count(c) > 1})
+        raise ConfigError(f"classes names {twice[:3]} twice: each class needs one code")
+    return names
+
+
+def _placed(
+    values: list[int | str], root: str, keys: Sequence[str], classes: tuple[str, ...]
+) -> list[int]:
+    """Each label's place in ``classes`` (an integer label is one already); a ConfigError
+    naming the labels that have none."""
+    index = {c: i for i, c in enumerate(classes)}
+    codes = [v if isinstance(v, int) else index.get(v, -1) for v in values]
+    unknown = {
+        str(v): k for v, k, c in zip(values, keys, codes, strict=True) if not 0 <= c < len(classes)
+    }
+    if unknown:
+        shown = [f"{v!r} ({root}/{k})" for v, k in list(unknown.items())[:3]]
+        raise ConfigError(
+            f"labels under {root} not among the {len(classes)} classes given: "
+            f"{', '.join(shown)}; classes= must name every label (an integer one: a place "
+            f"below {len(classes)})"
+        )
+    return codes
 
 
 def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int | str]:

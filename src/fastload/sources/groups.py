@@ -53,6 +53,7 @@ class Groups:
         labels: LabelSource | None = None,
         label_key: str = "key",
         label_field: str = "label",
+        classes: Sequence[str] | None = None,
     ) -> None:
         check_policy(incomplete, members)
         self.root = manifest.root
@@ -74,7 +75,7 @@ class Groups:
         self.classes: tuple[str, ...] | None = None
         self._labels: list[int] | None = None
         if labels is not None:
-            self._join_labels(labels, label_key, label_field)
+            self._join_labels(labels, label_key, label_field, classes)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -95,7 +96,13 @@ class Groups:
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
         return read_objects(samples, fetcher, _members)
 
-    def _join_labels(self, labels: LabelSource, label_key: str, label_field: str) -> None:
+    def _join_labels(
+        self,
+        labels: LabelSource,
+        label_key: str,
+        label_field: str,
+        classes: Sequence[str] | None,
+    ) -> None:
         if callable(labels) and not isinstance(labels, (str, Path, Mapping)):
             table: Mapping[str, int | str] = {name: labels(name) for name in self.names}
         elif labels == "folders":
@@ -117,10 +124,10 @@ class Groups:
                 f"{len(absent)} of {len(self.names)} groups under {self.root} have no label "
                 f"(first: {absent[:_SHOWN]})"
             )
-        self._labels, classes = label_codes(
-            [table[name] for name in self.names], self.root, self.names
+        self._labels, names = label_codes(
+            [table[name] for name in self.names], self.root, self.names, classes
         )
-        self.classes = None if classes is None else tuple(classes)
+        self.classes = None if names is None else tuple(names)
 
 
 def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str | None:
