@@ -499,14 +499,22 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
             assert batches(pinning) == cold
 
 
-@pytest.mark.parametrize("context", [None, "fork"])
+@pytest.mark.parametrize(
+    ("context", "cores"), [(None, 16), ("fork", 16), (None, 3)], ids=["16 cores", "fork", "3 cores"]
+)
 def test_while_workers_start_the_loop_caches_the_first_batches(
-    remote: tuple[str, dict[str, Any]], tmp_path: Path, context: str | None
+    remote: tuple[str, dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    context: str | None,
+    cores: int,
 ) -> None:
     """A worker's start waits for the forkserver's imports: meanwhile this process makes and
     caches the pass's first batches, those the workers are handed first and ``lookahead``
     beyond (where the workers' own lookahead begins), and reads them without reading them
-    back. Not when the workers fork (a fork would copy its fetches mid-request)."""
+    back. Not when the workers fork (a fork would copy its fetches mid-request), nor without
+    a core to spare beside the workers (it would compete with their start for the CPU)."""
+    monkeypatch.setattr(fastload.loader, "_cores", lambda: cores)
     root, options = remote
     dataset = RemoteDataset(root, decode="npy", cache=Cache(tmp_path), storage_options=options)
     loader = fastload.DataLoader(
@@ -524,7 +532,7 @@ def test_while_workers_start_the_loop_caches_the_first_batches(
 
     assert values() == list(range(48))
     here = copy.deepcopy(dataset.counters)
-    made = 0 if context == "fork" else (2 + 2) * 4
+    made = 0 if context == "fork" or cores <= 3 else (2 + 2) * 4
     assert here.cache.writes == here.fetch.objects == here.cache.misses == made
     assert here.cache.hits == 0  # those held were taken, the rest read without a count
     assert len(Cache(tmp_path)) == 48

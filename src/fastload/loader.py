@@ -56,9 +56,14 @@ _FORK_WAIT = 120.0  # seconds workers wait to fork for a dataset's listing check
 def default_workers() -> int:
     """Worker processes when none are asked for: none on 1-2 cores (a background thread loads
     instead, without pickling every batch), else half the cores, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = _cores()
     return 0 if cores <= 2 else min(8, cores // 2)
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
 
 
 class DataLoader(tud.DataLoader[Any]):
@@ -250,9 +255,12 @@ class DataLoader(tud.DataLoader[Any]):
     def _head_start(self) -> None:
         """Workers filling the cache start in this pass: its first batches are cached here
         meanwhile (:meth:`_Lookahead.head_start`), held for this process's reads of them. Not
-        before a fork, which would copy this process's fetches mid-request."""
+        before a fork, which would copy this process's fetches mid-request; and only with a
+        core to spare beside the workers: on 2 cores it competed with the forkserver's import
+        for the CPU and gained nothing, for 110-160 MB more peak memory (docs/benchmarks.md)."""
         starting = self._passes == 1 or not self.persistent_workers
-        if not (self.fills and starting) or self._forks:
+        spare = _cores() > self.num_workers + 1
+        if not (self.fills and starting and spare) or self._forks:
             return
         for source in self._lookaheads:
             source.head_start()
