@@ -222,26 +222,22 @@ def test_dicom_like_series_with_labels_per_participant(gcs: FakeGcsServer, tmp_p
         RemoteDataset(
             root, group_by=by_participant, decode=volume, labels=str(table), storage_options=options
         )
-    dataset = RemoteDataset(
-        root,
-        group_by=by_participant,
-        decode=volume,
-        labels=str(table),
-        label_key="participant_id",
-        label_field="diagnosis",
-        storage_options=options,
-    )
+
+    def participants(**kwargs: Any) -> RemoteDataset:
+        return RemoteDataset(
+            root,
+            group_by=by_participant,
+            decode=volume,
+            labels=str(table),
+            label_key="participant_id",
+            label_field="diagnosis",
+            storage_options=options,
+            **kwargs,
+        )
+
+    dataset = participants()
     assert dataset.classes == ("AMD", "healthy")
-    pinned = RemoteDataset(  # a study's codes, fixed: a class no participant has keeps its place
-        root,
-        group_by=by_participant,
-        decode=volume,
-        labels=str(table),
-        label_key="participant_id",
-        label_field="diagnosis",
-        classes=["healthy", "DME", "AMD"],
-        storage_options=options,
-    )
+    pinned = participants(classes=["healthy", "DME", "AMD"])  # a study's codes, fixed: a class
     assert [pinned[i][1] for i in range(3)] == [2, 0, 2] and pinned.classes[1] == "DME"
     shapes = [tuple(dataset[i][0].shape) for i in range(3)]
     assert shapes == [(7, 3), (5, 3), (9, 3)] and [dataset[i][1] for i in range(3)] == [0, 1, 0]
