@@ -686,6 +686,7 @@ def test_parquet_files_whose_columns_differ_are_named_not_mixed(
         ),
         "2025/part-2.parquet": parquet(table(8, names="large_string")),
         "2025/part-3.parquet": parquet(table(12)),
+        "2025/part-9.parquet": parquet(pa.table({"event_id": pa.array([], "null")})),  # empty
     }
     write(root, options, files)
     alike = RemoteDataset(root, shards="parquet", storage_options=options)

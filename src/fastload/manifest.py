@@ -787,7 +787,8 @@ def label_codes(
     a name is its place there, an integer must be one of its places."""
     values = [_as_label(v, f"{root}/{key}") for v, key in zip(values, keys, strict=True)]
     if classes is not None:
-        return _placed(values, root, keys, check_classes(classes)), list(classes)
+        fixed = check_classes(classes)
+        return _placed(values, root, keys, fixed), list(fixed)
     numbers = [isinstance(v, int) for v in values]
     if all(numbers):
         return [int(v) for v in values], None

@@ -146,8 +146,11 @@ class ParquetShards(Shards):
         naming the difference, never rows of which a batch from both would lose a column or
         mix its types (pyarrow and pandas refuse to read such files as one table too); with
         ``on_error="skip"`` it is left out (its footer None), named. Types alike in value are
-        one: dictionary-encoded or not, large or not (polars writes large strings and lists)."""
-        found = {entry.url: _columns(self._metas[entry.url], self.columns) for entry in files}
+        one: dictionary-encoded or not, large or not (polars writes large strings and lists).
+        A file without rows adds nothing to a batch (pandas writes an empty frame's text
+        columns as type null): it is not judged."""
+        metas = {entry.url: self._metas[entry.url] for entry in files}
+        found = {url: _columns(meta, self.columns) for url, meta in metas.items() if meta.num_rows}
         kinds = Counter(tuple(sorted(columns.items())) for columns in found.values())
         if len(kinds) < 2:
             return
@@ -155,7 +158,7 @@ class ParquetShards(Shards):
         common = dict(most)
         like = next(url for url, columns in found.items() if columns == common)
         for entry in files:
-            if found[entry.url] != common:
+            if found.get(entry.url, common) != common:
                 self._metas[entry.url] = None
                 self._bad(
                     entry,
