@@ -1290,6 +1290,12 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
     assert all(isinstance(r["hit_id"], np.int64) for r in got if r["hit_id"] is not None)
     assert [r["detector"] for r in got] == ["ecal", "hcal", None, "ecal", "hcal", None]
     assert np.isnan(got[1]["energy"]) and got[0]["energy"] == np.float32(1.5)
+    for workers in (0, 1):  # torch's collate refuses a None; the note says where they are
+        loader = fastload.DataLoader(rows, batch_size=6, num_workers=workers, shuffle=False)
+        with pytest.raises(RuntimeError) as failed:
+            next(iter(loader))
+        said = str(failed.value) + "".join(getattr(failed.value, "__notes__", []))
+        assert "'hit_id' in 2 of 6" in said and "a null in a parquet column" in said
     assert [None if r["channels"] is None else list(r["channels"]) for r in got] == [
         [big, None],
         [7],

@@ -18,6 +18,7 @@ training step that changes its batch in place must not change a user's dataset.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -26,22 +27,50 @@ from torch.utils.data import default_collate
 
 from fastload.cache._batch import whole_of
 
-__all__ = ["collate"]
+__all__ = ["collate", "note_nulls"]
 
 _NUMERIC = frozenset("biufc")  # bool, int, uint, float, complex
 
 
 def collate(batch: list[Any]) -> Any:
     """``default_collate(batch)``, stacking plain numeric arrays and CPU tensors with numpy."""
+    try:
+        return _collate(batch)
+    except Exception as exc:
+        note_nulls(batch, exc)
+        raise
+
+
+def _collate(batch: list[Any]) -> Any:
     first = batch[0] if batch else None
     stacked = _stack(batch, first)
     if stacked is not None:
         return stacked
     if type(first) is tuple and _same_length(batch):  # (sample, label): a list, as torch does
-        return [collate(list(column)) for column in zip(*batch, strict=True)]
+        return [_collate(list(column)) for column in zip(*batch, strict=True)]
     if type(first) is dict and all(type(b) is dict and b.keys() == first.keys() for b in batch):
-        return {key: collate([b[key] for b in batch]) for key in first}
+        return {key: _collate([b[key] for b in batch]) for key in first}
     return default_collate(batch)
+
+
+def note_nulls(batch: list[Any], exc: BaseException) -> None:
+    """Where collating a batch of dicts failed, add a note naming the keys that some of its
+    samples hold None at (a null in a parquet column): torch's own error names neither.
+    (Python 3.10 has no notes: its error is torch's alone.)"""
+    nulls = Counter(
+        key
+        for sample in batch
+        if type(sample) is dict
+        for key, value in sample.items()
+        if value is None
+    )
+    add_note = getattr(exc, "add_note", None)  # Python 3.11 on
+    if nulls and add_note is not None:
+        shown = ", ".join(f"{key!r} in {n} of {len(batch)}" for key, n in nulls.most_common(3))
+        add_note(
+            f"fastload: samples of this batch hold None at {shown} (a null in a parquet "
+            "column?): fill it in transform=, or pass a collate_fn that keeps it"
+        )
 
 
 def _same_length(batch: list[Any]) -> bool:
