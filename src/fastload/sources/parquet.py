@@ -420,8 +420,9 @@ def _chosen(columns: Sequence[str] | None) -> tuple[str, ...] | None:
 
 def _columns(meta: Any, chosen: tuple[str, ...] | None) -> dict[str, str]:
     """The type of each column read (all when ``chosen`` is None) of a file, by name."""
+    types = import_extra("pyarrow", extra="parquet", feature="shards='parquet'").types
     return {
-        field.name: _kind(field.type)
+        field.name: _kind(types, field.type)
         for field in meta.schema.to_arrow_schema()
         if chosen is None or field.name in chosen
     }
@@ -435,21 +436,20 @@ _ALIKE = {  # types whose values are another's
 }
 
 
-def _kind(kind: Any) -> str:
+def _kind(types: Any, kind: Any) -> str:
     """A pyarrow type as the values it gives: a dictionary's as its values', a large string
     or list as a string or list, a list's or struct's by its items' (not their field names)."""
-    types = import_extra("pyarrow", extra="parquet", feature="shards='parquet'").types
     if types.is_dictionary(kind):
-        return _kind(kind.value_type)
+        return _kind(types, kind.value_type)
     if types.is_fixed_size_list(kind):
-        return f"list<{_kind(kind.value_type)}>[{kind.list_size}]"
+        return f"list<{_kind(types, kind.value_type)}>[{kind.list_size}]"
     if _is_list(types, kind):
-        return f"list<{_kind(kind.value_type)}>"
+        return f"list<{_kind(types, kind.value_type)}>"
     if types.is_struct(kind):
-        fields = sorted(f"{f.name}: {_kind(f.type)}" for f in kind)
+        fields = sorted(f"{f.name}: {_kind(types, f.type)}" for f in kind)
         return f"struct<{', '.join(fields)}>"
     if types.is_map(kind):
-        return f"map<{_kind(kind.key_type)}, {_kind(kind.item_type)}>"
+        return f"map<{_kind(types, kind.key_type)}, {_kind(types, kind.item_type)}>"
     return _ALIKE.get(str(kind), str(kind))
 
 
