@@ -237,7 +237,7 @@ def test_dicom_like_series_with_labels_per_participant(gcs: FakeGcsServer, tmp_p
 
     dataset = participants()
     assert dataset.classes == ("AMD", "healthy")
-    pinned = participants(classes=["healthy", "DME", "AMD"])  # a study's codes, fixed: a class
+    pinned = participants(classes=["healthy", "DME", "AMD"])  # DME, which none has, keeps 1
     assert [pinned[i][1] for i in range(3)] == [2, 0, 2] and pinned.classes[1] == "DME"
     shapes = [tuple(dataset[i][0].shape) for i in range(3)]
     assert shapes == [(7, 3), (5, 3), (9, 3)] and [dataset[i][1] for i in range(3)] == [0, 1, 0]
