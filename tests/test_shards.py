@@ -1002,6 +1002,34 @@ def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(
     assert events.fetcher.counters.requests == 0  # the indexes and every event: from the cache
 
 
+def test_warm_cache_cli_leaves_out_parquet_files_whose_columns_differ_when_told(
+    seaweed: S3Server, tmp_path: Any
+) -> None:
+    """A parquet file whose columns are not the others' stops `warm-cache`, naming it, as it
+    stops a training dataset; `--on-error skip` warms the rest and names it in a warning, as
+    RemoteDataset(on_error="skip") trains on the rest."""
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root = f"s3://{BUCKET}/cli-drift-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    odd = events(100, 50).cast(
+        pa.schema({"event_id": pa.int32(), "pulses": pa.list_(pa.float32()), "name": pa.string()})
+    )
+    write(root, options, {**batches(events, 2, 50, 25), "events/batch_9.parquet": parquet(odd)})
+    cache_dir = str(tmp_path / "c")
+    args = ("warm-cache", f"{root}/events", "--cache-dir", cache_dir, "--shards", "parquet")
+    stopped = cli(*args, *options_args(options))
+    assert stopped.returncode != 0
+    assert "'event_id' is int32 here, int64 there" in stopped.stderr
+    assert "batch_9.parquet" in stopped.stderr
+    done = cli(*args, "--on-error", "skip", "--json", *options_args(options), real=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["samples"] == 100 and "batch_9.parquet" in done.stderr
+    bad = cli(*args, "--on-error", "ignore", *options_args(options))
+    assert bad.returncode != 0 and "--on-error must be raise or skip" in bad.stderr
+
+
 def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
     store: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:

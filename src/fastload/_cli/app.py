@@ -238,6 +238,15 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     shards: Shards = None,
     row_key: RowKey = None,
     columns: Columns = None,
+    on_error: Annotated[
+        str,
+        typer.Option(
+            "--on-error",
+            help="raise or skip: a shard that cannot be read as indexed (a truncated tar, a "
+            "parquet file whose columns differ) stops the command, or is left out, named in a "
+            "warning. A sample that fails is always reported, never raised.",
+        ),
+    ] = "raise",
     labels: Annotated[
         str | None,
         typer.Option(
@@ -284,9 +293,10 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     # everything that can be wrong with the arguments fails here, before any request
     part = parse_shard(shard)
     if dataset_factory is not None:
-        if source is not None or cache_dir is not None or pattern is not None:
+        if source or cache_dir or pattern or on_error != "raise":
             raise ConfigError(
-                "--dataset makes its own dataset: give no SOURCE, --cache-dir or --pattern"
+                "--dataset makes its own dataset: give no SOURCE, --cache-dir, --pattern or "
+                "--on-error"
             )
         datasets: Iterator[RemoteDataset | CachedDataset] = iter([_made_dataset(dataset_factory)])
     else:
@@ -295,6 +305,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         cache_format = _as_format(format)
         parse_url(source)
         shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"--on-error must be raise or skip, got {on_error!r}")
         options = parse_options(storage_option)
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
@@ -315,6 +327,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             label_key=label_key,
             label_field=label_field,
             limit=limit,
+            on_error=on_error,
             storage_options=options,
             **shape,
         )
