@@ -293,7 +293,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     # everything that can be wrong with the arguments fails here, before any request
     part = parse_shard(shard)
     if dataset_factory is not None:
-        if source or cache_dir or pattern or on_error != "raise":
+        given = (source, cache_dir, pattern)
+        if any(option is not None for option in given) or on_error != "raise":
             raise ConfigError(
                 "--dataset makes its own dataset: give no SOURCE, --cache-dir, --pattern or "
                 "--on-error"
