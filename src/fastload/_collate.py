@@ -19,6 +19,7 @@ training step that changes its batch in place must not change a user's dataset.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,15 +28,21 @@ from torch.utils.data import default_collate
 
 from fastload.cache._batch import whole_of
 
-__all__ = ["collate", "note_nulls"]
+__all__ = ["collate", "noted"]
 
 _NUMERIC = frozenset("biufc")  # bool, int, uint, float, complex
 
 
 def collate(batch: list[Any]) -> Any:
     """``default_collate(batch)``, stacking plain numeric arrays and CPU tensors with numpy."""
+    return noted(_collate, batch)
+
+
+def noted(collate_fn: Callable[[list[Any]], Any], batch: list[Any]) -> Any:
+    """``collate_fn(batch)``; what it raises carries a note naming the keys whose values are
+    None in some samples (see :func:`note_nulls`)."""
     try:
-        return _collate(batch)
+        return collate_fn(batch)
     except Exception as exc:
         note_nulls(batch, exc)
         raise

@@ -428,12 +428,7 @@ class _WorkerCollate:
         self.collate = collate
 
     def __call__(self, samples: list[Any] | Filled) -> Any:
-        try:
-            batch = samples if isinstance(samples, Filled) else self.collate(samples)
-        except Exception as exc:
-            if not isinstance(samples, Filled):
-                _collate.note_nulls(samples, exc)
-            raise
+        batch = samples if isinstance(samples, Filled) else _collate.noted(self.collate, samples)
         counters = _worker_counters()
         taken = None if counters is None else counters.drain()
         return batch if taken is None or taken.empty else _Counted(batch, taken)
