@@ -334,6 +334,16 @@ def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_p
         (["manifest", "show", str(tmp_path / "empty.npz")], 2, "empty.npz"),
         (["manifest", "show", str(tmp_path / "f")], 2, "not a readable fastload manifest"),
         (["warm-cache", "--cache-dir", str(cdir)], 2, "needs SOURCE"),
+        (  # options --dataset's own dataset would not use are refused, not ignored
+            ["warm-cache", "--dataset", "tests.cli_helpers:double", "--transform", "a:b"],
+            2,
+            "so --transform would be ignored",
+        ),
+        (
+            ["warm-cache", "--dataset", "a:b", "--shards", "tar", "--limit", "5", "--format", "pt"],
+            2,
+            "so --shards, --format, --limit would be ignored",
+        ),
     ]
     (tmp_path / "f").write_text("a file, not a folder")
     (tmp_path / "empty.npz").write_bytes(b"")

@@ -293,11 +293,32 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     # everything that can be wrong with the arguments fails here, before any request
     part = parse_shard(shard)
     if dataset_factory is not None:
-        given = (source, cache_dir, pattern)
-        if any(option is not None for option in given) or on_error != "raise":
+        beside = {
+            "SOURCE": source,
+            "--cache-dir": cache_dir,
+            "--pattern": pattern,
+            "--manifest": manifest,
+            "--storage-option": storage_option,
+            "--group-by": group_by,
+            "--incomplete": None if incomplete == "raise" else incomplete,
+            "--shards": shards,
+            "--row-key": row_key,
+            "--columns": columns,
+            "--on-error": None if on_error == "raise" else on_error,
+            "--labels": labels,
+            "--label-key": None if label_key == "key" else label_key,
+            "--label-field": None if label_field == "label" else label_field,
+            "--format": None if format == "npy" else format,
+            "--decode": decode,
+            "--transform": transform,
+            "--limit": limit,
+            "--max-bytes": max_bytes,
+        }
+        ignored = [name for name, value in beside.items() if value is not None]
+        if ignored:
             raise ConfigError(
-                "--dataset makes its own dataset: give no SOURCE, --cache-dir, --pattern or "
-                "--on-error"
+                f"--dataset makes its own dataset, so {', '.join(ignored)} would be ignored: "
+                "give them to the dataset it makes, or use SOURCE and --cache-dir instead"
             )
         datasets: Iterator[RemoteDataset | CachedDataset] = iter([_made_dataset(dataset_factory)])
     else:
