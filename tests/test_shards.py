@@ -286,6 +286,8 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.WARNING):
         dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
     assert len(dataset) == 10 and "b.tar" in caplog.text
+    (left_out,) = dataset.stats()["dataset"]["left_out"]  # named where a script can see it too
+    assert "b.tar" in left_out and "truncated" in left_out
 
     no_ext = io.BytesIO()
     with tarfile.open(fileobj=no_ext, mode="w") as tar:
@@ -705,6 +707,11 @@ def test_parquet_files_whose_columns_differ_are_named_not_mixed(
     with caplog.at_level(logging.WARNING, logger="fastload"):
         skipped = RemoteDataset(root, shards="parquet", on_error="skip", storage_options=options)
     assert "part-4.parquet" in caplog.text and "part-5.parquet" in caplog.text
+    left_out = skipped.stats()["dataset"]["left_out"]
+    assert [("part-4" in why, "part-5" in why) for why in left_out] == [
+        (True, False),
+        (False, True),
+    ]
     rows = [row for batch in fastload.DataLoader(skipped, batch_size=6) for row in batch["name"]]
     assert sorted(rows) == sorted(f"ev{i}" for i in range(16))  # the four alike files
 
@@ -1025,7 +1032,10 @@ def test_warm_cache_cli_leaves_out_parquet_files_whose_columns_differ_when_told(
     assert "batch_9.parquet" in stopped.stderr
     done = cli(*args, "--on-error", "skip", "--json", *options_args(options), real=True)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["samples"] == 100 and "batch_9.parquet" in done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["samples"] == 100 and "batch_9.parquet" in done.stderr
+    (left_out,) = summary["left_out"]  # in the summary too, not only in a warning
+    assert "batch_9.parquet" in left_out and "int32 here" in left_out
     bad = cli(*args, "--on-error", "ignore", *options_args(options))
     assert bad.returncode != 0 and "--on-error must be raise or skip" in bad.stderr
     mine = cli("warm-cache", "--dataset", "tests.cli_helpers:double", "--on-error", "skip")

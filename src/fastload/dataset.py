@@ -534,6 +534,7 @@ class RemoteDataset(_Batched):
             raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
         self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
         self.source: SampleSource
+        left_out: list[str] = []
         if shards is not None:
             shard_source = _shard_source(
                 shards,
@@ -551,6 +552,7 @@ class RemoteDataset(_Batched):
             if listing is not None and self.manifest is not manifest and rank_world()[0] == 0:
                 save_listing(self.manifest, listing)  # a restart reads no shard to index it
             self.source = shard_source
+            left_out = shard_source.left_out
         elif group_by is None:
             if labels is not None:
                 manifest = _labelled(manifest, labels, label_key, label_field, classes)
@@ -587,7 +589,9 @@ class RemoteDataset(_Batched):
         if self.source.reader_version:  # a fixed reader makes its samples again
             self.fingerprint += f"|{self.source.reader_version}"
         self.counters = StageCounters(
-            DatasetStats(), self.fetcher.counters, CacheStats() if cache is None else cache.counters
+            DatasetStats(left_out=list(left_out)),
+            self.fetcher.counters,
+            CacheStats() if cache is None else cache.counters,
         )
 
     @property

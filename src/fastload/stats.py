@@ -130,6 +130,8 @@ class DatasetStats:
     skipped: int = 0  # failed samples replaced under on_error="skip"
     skipped_keys: list[str] = field(default_factory=list)
     refreshed: int = 0  # samples read at their objects' new versions (on_change="refresh")
+    # shards (or their samples) left out when the dataset was made, under on_error="skip"
+    left_out: list[str] = field(default_factory=list)
     prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
     # CachedDataset: the wrapped dataset making a missing sample (its own reads included)
     compute: Histogram = field(default_factory=Histogram)
@@ -142,6 +144,7 @@ class DatasetStats:
             "skipped": self.skipped,
             "skipped_keys": list(self.skipped_keys),
             "refreshed": self.refreshed,
+            "left_out": list(self.left_out),
             "prepare_p50_ms": self.prepare.percentile(50) * 1e3,
             "prepare_p99_ms": self.prepare.percentile(99) * 1e3,
             "prepare_total_s": self.prepare.total,

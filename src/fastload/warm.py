@@ -28,7 +28,9 @@ __all__ = ["WarmReport", "tar_shard_groups", "tar_shards_part", "warm_cache", "w
 @dataclass
 class WarmReport:
     """What one warm-up did. ``failures`` maps each failed object's URL to its error;
-    ``unstored`` counts samples made but not cached because the cache's disk was full."""
+    ``unstored`` counts samples made but not cached because the cache's disk was full;
+    ``left_out`` names the shards (or their samples) the dataset left out when it was made,
+    under ``on_error="skip"``, each with its reason."""
 
     samples: int = 0
     hits: int = 0  # already cached (a rerun skips them)
@@ -38,6 +40,7 @@ class WarmReport:
     seconds: float = 0.0
     failures: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
+    left_out: list[str] = field(default_factory=list)
 
     def __add__(self, other: WarmReport) -> WarmReport:
         """Both warm-ups' counts, as one (the seconds added: the caller times a whole run)."""
@@ -50,6 +53,7 @@ class WarmReport:
             self.seconds + other.seconds,
             {**self.failures, **other.failures},
             self.interrupted or other.interrupted,
+            self.left_out + other.left_out,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -62,6 +66,7 @@ class WarmReport:
             "seconds": round(self.seconds, 3),
             "failures": dict(self.failures),
             "interrupted": self.interrupted,
+            "left_out": list(self.left_out),
         }
 
 
@@ -168,8 +173,8 @@ def warm_cache(
         raise ConfigError(
             f"warm_cache needs batch_size and threads >= 1, got {batch_size}, {threads}"
         )
-    report = WarmReport()
     counters = dataset.counters
+    report = WarmReport(left_out=list(counters.dataset.left_out))
     fetch, cache = counters.fetch, counters.cache
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
     start_unstored = cache.unstored

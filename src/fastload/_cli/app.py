@@ -407,6 +407,8 @@ def _print_warm(result: dict[str, Any]) -> None:
         out.print(f"estimated cost: {result['estimated_cost']:.4f}")
     for url, error in result["failures"].items():
         out.print(f"failed: {url}: {error}")
+    for reason in result["left_out"]:
+        out.print(f"left out (--on-error skip): {reason}")
     if result["unstored"]:
         out.print(
             f"not cached: {result['unstored']:,} samples, the cache's disk is full (free space "

@@ -57,6 +57,7 @@ class Shards:
         self.root = manifest.root
         self.config = config or ChunkConfig.from_env()
         self.on_error = on_error
+        self.left_out: list[str] = []  # what on_error="skip" left out, each with its reason
         found = [e for e in manifest if e.key.lower().endswith(self.suffixes)]
         self._refuse_unreadable(manifest)
         if not found:
@@ -219,6 +220,7 @@ class Shards:
             error.__cause__ = cause
         if self.on_error == "raise":
             raise error
+        self.left_out.append(str(error))
         log.warning("%s shards (on_error='skip'): leaving out %s", self.kind, error)
 
     def _chunk(
