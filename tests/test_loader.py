@@ -485,7 +485,7 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     main = filling.dataset.counters  # type: ignore[attr-defined]
     assert main.dataset.samples == 96  # read here, made there but for the head start's
     assert main.fetch.objects == main.cache.misses == main.cache.writes
-    assert main.cache.hits == 0  # counted where they were found
+    assert main.cache.hits == 48  # the cold pass's counted where found; the warm pass read here
     epoch = filling.report().counters
     assert epoch is not None and epoch.cache.hits == 48 and epoch.cache.misses == 0
     # each object fetched once in all; a worker's lookahead that ended after its last batch of
@@ -497,6 +497,71 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
     if not torch.cuda.is_available():
         with pytest.warns(UserWarning, match="no accelerator is found"):
             assert batches(pinning) == cold
+
+
+def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers(
+    tmp_path: Path,
+) -> None:
+    """Workers filling the cache only look at its index for a warm batch and hand it back for
+    this process to read: once a whole pass has left every sample cached, the next passes are
+    read here, as without workers (same batches, same order, the workers left idle). Not
+    after a pass cut short, nor on one of several ranks or over a sampler that may repeat
+    samples (their pass leaves others uncached); a sample missing after all is made here,
+    and the pass after that has workers again."""
+    (tmp_path / "data").mkdir()
+    for i in range(50):
+        np.save(tmp_path / "data" / f"{i:02d}.npy", np.full((2, 3), i, np.int32))
+    root = f"file://{tmp_path / 'data'}"
+
+    def loader(cache: str, **kwargs: Any) -> fastload.DataLoader:
+        dataset = RemoteDataset(root, decode="npy", cache=Cache(tmp_path / cache))
+        return fastload.DataLoader(dataset, batch_size=8, num_workers=2, **kwargs)
+
+    def passes(source: fastload.DataLoader, count: int) -> list[list[list[int]]]:
+        out = []
+        for _ in range(count):
+            out.append([[int(v) for v in batch[:, 0, 0]] for batch in source])
+        return out
+
+    def read_here(source: fastload.DataLoader) -> int:
+        return int(source.dataset.counters.dataset.samples)  # type: ignore[attr-defined]
+
+    filling = loader("c", shuffle=True, seed=5)
+    plain = fastload.DataLoader(
+        RemoteDataset(root, decode="npy"), batch_size=8, num_workers=0, shuffle=True, seed=5
+    )
+    assert filling.fills
+    three = passes(filling, 3)
+    assert three == passes(plain, 3)  # same batches, same order, each pass reshuffled
+    main = filling.dataset.counters  # type: ignore[attr-defined]
+    assert main.cache.writes == 0  # the workers made every sample, in the cold pass
+    assert main.cache.hits == 100  # passes 2 and 3 looked up and read here
+    every = filling.report("all").counters
+    assert every is not None and every.cache.misses == every.cache.writes == 50
+
+    Cache(tmp_path / "c").clear()  # gone after all: made here, right values
+    assert passes(filling, 1) == passes(plain, 1)
+    assert main.cache.writes == 50 and main.fetch.objects == 50
+    before = main.cache.hits
+    Cache(tmp_path / "c").clear()
+    filling._cached_whole = False  # the next pass has workers again
+    passes(filling, 1)
+    assert main.cache.writes == 50 and main.cache.hits == before  # the workers made them
+
+    cut = loader("cut", shuffle=True)
+    for i, _ in enumerate(cut):  # a pass cut short: the next has workers
+        if i == 2:
+            break
+    assert not cut._cached_whole
+    repeating = loader("rand", sampler=torch.utils.data.RandomSampler(range(50), True))
+    passes(repeating, 1)
+    assert not repeating._cached_whole  # a sampler that repeats samples left some out
+    sequential = loader("seq")
+    passes(sequential, 1)
+    assert sequential._cached_whole  # torch's order visits every sample too
+    ranked = loader("ranked", sampler=PermutationSampler(50, rank=0, world_size=2))
+    passes(ranked, 1)
+    assert not ranked._cached_whole  # one rank's pass: the next epoch's share differs
 
 
 @pytest.mark.parametrize(
@@ -539,6 +604,7 @@ def test_while_workers_start_the_loop_caches_the_first_batches(
     epoch = loader.report().counters  # none twice (short if a worker's lookahead ends late)
     assert epoch is not None and here.fetch.objects < epoch.fetch.objects <= 48
     Cache(tmp_path).clear()
+    loader._cached_whole = False  # as if the last pass had not left every sample cached
     assert values() == list(range(48))  # cold again, but the workers run on: no head start
     assert dataset.counters.cache.writes == made
 

@@ -99,7 +99,9 @@ class DataLoader(tud.DataLoader[Any]):
       a cold epoch's fetching, decoding and preprocessing spread over the workers;
     - with workers and a cache (and no ``collate_fn`` of the user's), the workers fill the
       cache and this process reads each batch from it in its loading thread (``fills``), and
-      pins it there with ``pin_memory``: a warm batch does not cross through fresh shared memory.
+      pins it there with ``pin_memory``: a warm batch does not cross through fresh shared memory;
+      once a whole pass has left every sample cached, the next passes are read in this process
+      as without workers (same batches; see :meth:`_left_whole`).
 
     :meth:`state_dict` records the next sample the loop has not seen (batches prefetched by
     workers are not counted); :meth:`load_state_dict` resumes there in O(1).
@@ -216,6 +218,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._pass_start: StageCounters | None = None  # counters when the pass began
         self._passes = 0
         self._heading = False  # a head start is caching the pass's first batches
+        self._cached_whole = False  # the last pass left every sample in the cache (fills)
 
     # -- iteration -----------------------------------------------------------------------------
     @property
@@ -233,17 +236,57 @@ class DataLoader(tud.DataLoader[Any]):
         self._passes += 1
         self._consumed = 0
         self._pass_start = self.counters
-        self._before_fork()
-        self._head_start()
+        here, self._cached_whole = self._cached_whole, False  # until this pass says so
+        for source in self._lookaheads:
+            source.here = here
         started = time.perf_counter()
-        if isinstance(self.worker_init_fn, _WorkerInit):
-            self.worker_init_fn.started = time.time()  # workers start below (if not running)
-        batches: Iterator[Any] = super().__iter__()
-        if self.num_workers:
-            batches = self._unwrapped(batches)
+        batches: Iterator[Any]
+        if here:
+            batches = self._read_here()
+        else:
+            self._before_fork()
+            self._head_start()
+            started = time.perf_counter()
+            if isinstance(self.worker_init_fn, _WorkerInit):
+                self.worker_init_fn.started = time.time()  # workers start below (if not running)
+            batches = super().__iter__()
+            if self.num_workers:
+                batches = self._unwrapped(batches)
         if self.background and (self.num_workers == 0 or self.fills):  # reads in this process
             batches = iter(_Background(batches, depth=2))
         return self._deliver(batches, time.perf_counter() - started)
+
+    def _read_here(self) -> Iterator[Any]:
+        """A pass of a loader whose workers fill the cache, read in this process as without
+        workers, once a whole pass left every sample in the cache (:meth:`_left_whole`): a
+        worker's part of a warm batch (a look at the cache's index, the hand-over) only adds
+        to the read this process makes anyway. Same batches, same order; a sample missing
+        after all (evicted, the cache cleared) is made here, and the next pass has workers."""
+        for indices in self.batch_sampler:  # type: ignore[union-attr]
+            batch = _collate.collate(self.dataset.__getitems__(indices))  # type: ignore[attr-defined]
+            yield pinned(batch) if self._pins else batch
+
+    def _left_whole(self) -> bool:
+        """Whether the pass that just ended left every sample of the dataset in the cache: it
+        went through all of them (a permutation, on one rank, not resumed mid-pass; but for a
+        last batch dropped), and each it missed was written (or waited for), none evicted,
+        skipped, left unstored or served oversize. Workers' counts arrive with their batches,
+        so a write not yet counted can only make this say no."""
+        now, then = self.counters, self._pass_start
+        per_batch = self.batch_size or 1
+        permuted = isinstance(self._order, PermutationSampler | tud.SequentialSampler)
+        every = permuted and (self._consumed + 1) * per_batch > len(self.dataset)  # type: ignore[arg-type]
+        if not (self.fills and every) or now is None or then is None:
+            return False
+        cache, dataset = now.cache, now.dataset
+        made = cache.writes - then.cache.writes + cache.waits - then.cache.waits
+        return (
+            cache.misses - then.cache.misses <= made
+            and cache.evictions == then.cache.evictions
+            and cache.unstored == then.cache.unstored
+            and cache.oversize == then.cache.oversize
+            and dataset.skipped == then.dataset.skipped
+        )
 
     def _before_fork(self) -> None:
         """Workers forked while a dataset's listing check talks to the store would copy its
@@ -289,6 +332,7 @@ class DataLoader(tud.DataLoader[Any]):
             for item in self.meter.timed(batches, before=starting):
                 self._consumed += 1
                 yield item
+            self._cached_whole = self._left_whole()
         finally:  # left early (break, an exception): stop the producers before going on
             close = getattr(batches, "close", None)
             if close is not None:
@@ -744,6 +788,7 @@ class _Lookahead(tud.Sampler[Any]):
         self.prefetch, self.depth, self.group, self.handed = prefetch, depth, group, handed
         self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._begun: Iterator[Any] | None = None  # a pass its head start began (workers)
+        self.here = False  # this pass is read in the loader's process, not by its workers
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "lookahead_source" not in self.__dict__:
@@ -759,7 +804,7 @@ class _Lookahead(tud.Sampler[Any]):
 
     def _pass(self, items: Iterator[Any], head: Sequence[Any] = ()) -> Iterator[Any]:
         """A pass over ``items``; ``head`` (batches) taken from them already, prefetched now."""
-        one = _Pass(self.prefetch, self.depth, self.handed)
+        one = _Pass(self.prefetch, self.depth, 0 if self.here else self.handed)
         self.passes.add(one)
         one.started.extend(map(self.prefetch, head))
         return one.run(items, self.group)
