@@ -457,12 +457,13 @@ def test_with_workers_the_workers_fetch_ahead_themselves(
 
 
 def test_workers_fill_the_cache_and_the_loop_reads_it(
-    remote: tuple[str, dict[str, Any]], tmp_path: Path
+    remote: tuple[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a cache, workers make and cache a batch's missing samples and hand back only
     their positions; the loop's process reads the batch from the cache (a worker's batch
     would cross through fresh shared memory, which cost more than the read). Same batches,
     in the same order, as without workers; each sample counted once as a hit or a miss."""
+    monkeypatch.setattr(fastload.loader, "_cores", lambda: 2)  # as CI: no head start
     root, options = remote
 
     def loader(workers: int, cache: Path, **kwargs: Any) -> fastload.DataLoader:
@@ -499,15 +500,17 @@ def test_workers_fill_the_cache_and_the_loop_reads_it(
             assert batches(pinning) == cold
 
 
+@pytest.mark.parametrize("cores", [2, 16])
 def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int
 ) -> None:
     """Workers filling the cache only look at its index for a warm batch and hand it back for
     this process to read: once a whole pass has left every sample cached, the next passes are
     read here, as without workers (same batches, same order, the workers left idle). Not
     after a pass cut short, nor on one of several ranks or over a sampler that may repeat
     samples (their pass leaves others uncached); a sample missing after all is made here,
-    and the pass after that has workers again."""
+    and the pass after that has workers again. With cores to spare the workers keep reading."""
+    monkeypatch.setattr(fastload.loader, "_cores", lambda: cores)
     (tmp_path / "data").mkdir()
     for i in range(50):
         np.save(tmp_path / "data" / f"{i:02d}.npy", np.full((2, 3), i, np.int32))
@@ -533,6 +536,11 @@ def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers
     assert filling.fills
     three = passes(filling, 3)
     assert three == passes(plain, 3)  # same batches, same order, each pass reshuffled
+    looked_there = filling._worker_counters.cache.hits  # workers' lookups of cached samples
+    if cores == 16:  # the warm passes went through the workers, which looked every sample up
+        assert looked_there >= 100
+        return
+    assert looked_there < 50
     main = filling.dataset.counters  # type: ignore[attr-defined]
     assert main.cache.writes == 0  # the workers made every sample, in the cold pass
     assert main.cache.hits == 100  # passes 2 and 3 looked up and read here

@@ -100,8 +100,9 @@ class DataLoader(tud.DataLoader[Any]):
     - with workers and a cache (and no ``collate_fn`` of the user's), the workers fill the
       cache and this process reads each batch from it in its loading thread (``fills``), and
       pins it there with ``pin_memory``: a warm batch does not cross through fresh shared memory;
-      once a whole pass has left every sample cached, the next passes are read in this process
-      as without workers (same batches; see :meth:`_left_whole`).
+      once a whole pass has left every sample cached, on a machine without a core to spare
+      beside the workers, the next passes are read in this process as without workers (same
+      batches; see :meth:`_read_here`).
 
     :meth:`state_dict` records the next sample the loop has not seen (batches prefetched by
     workers are not counted); :meth:`load_state_dict` resumes there in O(1).
@@ -236,7 +237,8 @@ class DataLoader(tud.DataLoader[Any]):
         self._passes += 1
         self._consumed = 0
         self._pass_start = self.counters
-        here, self._cached_whole = self._cached_whole, False  # until this pass says so
+        here = self._cached_whole and not self._core_to_spare
+        self._cached_whole = False  # until this pass says so
         for source in self._lookaheads:
             source.here = here
         started = time.perf_counter()
@@ -258,10 +260,13 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _read_here(self) -> Iterator[Any]:
         """A pass of a loader whose workers fill the cache, read in this process as without
-        workers, once a whole pass left every sample in the cache (:meth:`_left_whole`): a
-        worker's part of a warm batch (a look at the cache's index, the hand-over) only adds
-        to the read this process makes anyway. Same batches, same order; a sample missing
-        after all (evicted, the cache cleared) is made here, and the next pass has workers."""
+        workers, once a whole pass left every sample in the cache (:meth:`_left_whole`) and
+        without a core to spare beside the workers: a worker's part of a warm batch (a look at
+        the cache's index, the hand-over) only adds to the read this process makes anyway,
+        and competes with it for the CPU. Same batches, same order; a sample missing after all
+        (evicted, the cache cleared) is made here, and the next pass has workers. With cores
+        to spare (16 on the H100 machine, 8 workers) the workers keep the warm passes: there
+        it was not shown to pay (docs/benchmarks.md, GPU)."""
         for indices in self.batch_sampler:  # type: ignore[union-attr]
             batch = _collate.collate(self.dataset.__getitems__(indices))  # type: ignore[attr-defined]
             yield pinned(batch) if self._pins else batch
@@ -302,12 +307,17 @@ class DataLoader(tud.DataLoader[Any]):
         core to spare beside the workers: on 2 cores it competed with the forkserver's import
         for the CPU and gained nothing, for 110-160 MB more peak memory (docs/benchmarks.md)."""
         starting = self._passes == 1 or not self.persistent_workers
-        spare = _cores() > self.num_workers + 1
-        if not (self.fills and starting and spare) or self._forks:
+        if not (self.fills and starting and self._core_to_spare) or self._forks:
             return
         for source in self._lookaheads:
             source.head_start()
             self._heading = True
+
+    @property
+    def _core_to_spare(self) -> bool:
+        """More cores than the workers and this process: nothing here competes with the
+        workers for the CPU (a head start; warm passes left to the workers)."""
+        return _cores() > self.num_workers + 1
 
     def _head_end(self) -> None:
         if self._heading:
