@@ -28,7 +28,8 @@ from fastload import (
     RemoteDataset,
     UnsupportedSampleError,
 )
-from fastload.stall import DATA_BOUND_ABOVE, StallReport, batch_size_of
+from fastload.stall import DATA_BOUND_ABOVE, StallReport, _write_time, batch_size_of
+from fastload.stats import QUEUE_KNOWN, CacheStats, thread_times
 from fastload.testing import FaultProxy, Faults, S3Server, free_port
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
@@ -252,6 +253,30 @@ def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
     assert "cache misses: 100%" in cold.cause, (cold.cause, cold.counters.cache)
 
 
+@pytest.mark.skipif(not QUEUE_KNOWN, reason="the kernel gives no run-queue time (not Linux)")
+@pytest.mark.parametrize(
+    ("cpu", "queued", "part", "advice"),
+    [
+        (0.2, 0.7, "its largest part waiting for a CPU", "fewer workers or threads"),
+        (0.2, 0.1, "its largest part blocked", "faster storage"),
+        (0.7, 0.2, "its largest part on a CPU", "warm-cache"),
+    ],
+)
+def test_the_cache_write_time_is_split_into_cpu_queue_and_blocked(
+    cpu: float, queued: float, part: str, advice: str
+) -> None:
+    """On a busy 2-core machine a cold epoch's writes waited for a CPU, and the report said to
+    put the cache on faster storage. The write time is split by the thread's own clocks (Linux
+    schedstat): the advice follows the largest part. (Counters set by hand: a unit detail.)"""
+    cache = CacheStats(writes=10, write_s=1.0, write_cpu_s=cpu, write_queued_s=queued)
+    said = _write_time(cache)
+    assert said.startswith(part) and advice in said, said
+    assert ("faster storage" in said) == (part == "its largest part blocked")
+    start = thread_times()
+    sum(i * i for i in range(200_000))  # CPU work: the thread's on-CPU clock moves
+    assert thread_times()[0] > start[0]
+
+
 def _tar_shards(folder: Path, shards: int, per: int, shape: tuple[int, ...]) -> None:
     """``shards`` tar shards of ``per`` float32 ``.npy`` members each, WebDataset-style keys."""
     folder.mkdir()
@@ -288,6 +313,11 @@ def test_report_names_filling_the_cache_not_decoding_when_writes_are_the_wait(
     assert cold.counters.cache.write_s > 0 and cold.counters.cache.writes == 200
     assert cold.cause is not None and cold.cause.startswith("filling the cache: 200 samples")
     assert "warm-cache" in cold.cause, cold.cause
+    if QUEUE_KNOWN:  # where the write time went: on a CPU, queued for one, blocked
+        cache = cold.counters.cache
+        assert cache.write_cpu_s > 0 and cache.write_queued_s >= 0
+        assert cache.write_cpu_s + cache.write_queued_s <= cache.write_s * 1.05 + 0.01
+        assert "s on a CPU, " in cold.cause and " s waiting for one, " in cold.cause
     with_cache = RemoteDataset(
         f"file://{tmp_path / 'tar'}",
         shards="tar",

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastload.errors import ConfigError
-from fastload.stats import StageCounters, StepStats
+from fastload.stats import QUEUE_KNOWN, CacheStats, StageCounters, StepStats
 
 __all__ = [
     "DATA_BOUND_ABOVE",
@@ -370,7 +370,7 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             f"filling the cache: {cache.writes} samples ({cache.bytes_written / 2**20:.0f} MiB) "
             f"took {cache.write_s:.2f} s to write, beside {prepare.total:.2f} s to decode and "
             "transform (both summed over the threads that made them); later epochs read them "
-            "back; fill it beforehand (fastload warm-cache) or put the cache on faster storage"
+            f"back; {_write_time(cache)}"
         )
     if prepare.count and prepare.total >= matters:
         keep = (
@@ -386,6 +386,33 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
     return (
         f"the loader itself ({hit_rate}): collation, worker hand-off or too few workers; "
         "try more workers or a deeper prefetch"
+    )
+
+
+def _write_time(cache: CacheStats) -> str:
+    """Where the cache's write time went, and what helps: waiting for a CPU (the cores were
+    busy), waiting on the disk, or the writes' own work (copying into the page cache)."""
+    beforehand = "fill it beforehand (fastload warm-cache)"
+    if not QUEUE_KNOWN:  # queued and blocked cannot be told apart
+        return f"{beforehand} or put the cache on faster storage"
+    blocked = max(0.0, cache.write_s - cache.write_cpu_s - cache.write_queued_s)
+    split = (
+        f"{cache.write_cpu_s:.2f} s on a CPU, {cache.write_queued_s:.2f} s waiting for one, "
+        f"{blocked:.2f} s blocked (the disk, a lock)"
+    )
+    most = max(cache.write_cpu_s, cache.write_queued_s, blocked)
+    if most == cache.write_queued_s:
+        return (
+            f"its largest part waiting for a CPU, not the disk ({split}): the cores were "
+            f"busy; {beforehand}, or run fewer workers or threads on these cores"
+        )
+    if most == blocked:
+        return (
+            f"its largest part blocked ({split}); {beforehand} or put the cache on faster storage"
+        )
+    return (
+        f"its largest part on a CPU, not the disk ({split}: encoding the samples and copying "
+        f"them into the page cache); {beforehand}"
     )
 
 

@@ -7,6 +7,8 @@ however many requests it sees and merges across workers by adding counts.
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -20,9 +22,28 @@ __all__ = [
     "StageCounters",
     "StepStats",
     "merge_counters",
+    "thread_times",
 ]
 
 _MAX_KEYS = 100  # skipped keys kept per process
+_SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux: ns on a CPU, ns waiting for one, slices
+QUEUE_KNOWN = os.path.exists(_SCHEDSTAT)
+"""Whether :func:`thread_times` can tell waiting for a CPU from waiting on a disk."""
+
+
+def thread_times() -> tuple[float, float]:
+    """Seconds the calling thread has run on a CPU and waited, ready, for one. Where the
+    kernel does not say (not Linux), the second is 0 and the first is ``time.thread_time``.
+
+    Beside wall time this tells where a stretch of work went: on a CPU, queued for one (the
+    cores busy with other threads and processes) or neither (blocked: a disk, a lock).
+    """
+    if QUEUE_KNOWN:
+        with open(_SCHEDSTAT, "rb") as stat:
+            running, queued, _ = stat.read().split()
+        return int(running) / 1e9, int(queued) / 1e9
+    return time.thread_time(), 0.0
+
 
 _PER_OCTAVE = 8
 _MIN_SECONDS = 1e-6
@@ -117,6 +138,8 @@ class CacheStats:
     oversize: int = 0  # samples larger than the whole budget, served without caching
     unstored: int = 0  # samples served without caching because the cache's disk was full
     write_s: float = 0.0  # seconds spent writing entries (encoding, appending, index records)
+    write_cpu_s: float = 0.0  # of write_s, on a CPU (see thread_times)
+    write_queued_s: float = 0.0  # of write_s, ready to run but waiting for a CPU
 
     def snapshot(self) -> dict[str, float | int]:
         return asdict(self)

@@ -62,7 +62,7 @@ from fastload.errors import (
     CorruptEntryError,
     UnsupportedSampleError,
 )
-from fastload.stats import CacheStats
+from fastload.stats import CacheStats, thread_times
 
 __all__ = ["Cache", "CacheFormat", "VerifyReport"]
 
@@ -701,7 +701,7 @@ class Cache:
         one. A sample the format cannot hold is left out and does not stop the others: its
         error, naming it, by its position in ``items``. The time it takes is counted
         (``write_s``: the stall report names it when filling the cache is what a loop waits on)."""
-        started = time.perf_counter()
+        started, (running, queued) = time.perf_counter(), thread_times()
         try:
             if self._packed is not None:
                 return self._store_packed(items)
@@ -713,7 +713,10 @@ class Cache:
                     refused[k] = _refused(exc, name)
             return refused
         finally:
+            ran, waited = thread_times()
             self.counters.write_s += time.perf_counter() - started
+            self.counters.write_cpu_s += ran - running
+            self.counters.write_queued_s += waited - queued
 
     def _store(self, digest: str, name: str, sample: Any) -> None:
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
