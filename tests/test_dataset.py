@@ -346,9 +346,19 @@ def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: 
         ("cat", "non-empty list of class names"),
         (["cat", "cat"], r"names \['cat'\] twice"),
         ([], "non-empty list"),
+        ({"cat", "dog"}, "in code order"),  # a set: no order to code classes by
     ]:
         with pytest.raises(ConfigError, match=message):
             RemoteDataset(never, labels="folders", classes=bad)  # type: ignore[arg-type]
+    names = np.array(["cat", "dog", "fox"])  # an ordered sequence that is no list will do
+    from_array = RemoteDataset(
+        f"{root}/val",
+        labels="folders",
+        classes=names,
+        storage_options=options,  # type: ignore[arg-type]
+    )
+    assert from_array.classes == ("cat", "dog", "fox")
+    assert all(type(name) is str for name in from_array.classes)
     with pytest.raises(ConfigError, match="it needs labels"):
         RemoteDataset(never, classes=["cat"])
 

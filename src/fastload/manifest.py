@@ -804,13 +804,17 @@ def label_codes(
 
 
 def check_classes(classes: object) -> tuple[str, ...]:
-    """``classes=`` as a tuple of distinct non-empty names, or a ConfigError."""
-    names = tuple(classes) if isinstance(classes, list | tuple) else ()
+    """``classes=`` as a tuple of distinct non-empty names, or a ConfigError. Any ordered
+    sequence of names will do (a list, a tuple, a numpy array, a pandas Index); a set has no
+    order to code classes by."""
+    unordered = isinstance(classes, str | bytes | Mapping | set | frozenset)
+    names = () if unordered or not isinstance(classes, Iterable) else tuple(classes)
     if not names or not all(isinstance(c, str) and c for c in names):
         raise ConfigError(
-            f"classes must be a non-empty list of class names (such as another split's "
-            f"dataset.classes), got {classes!r}"
+            f"classes must be a non-empty list of class names in code order (such as another "
+            f"split's dataset.classes), got {classes!r}"
         )
+    names = tuple(map(str, names))  # numpy's str_ as plain str
     if len(set(names)) < len(names):
         twice = sorted({c for c in names if names.count(c) > 1})
         raise ConfigError(f"classes names {twice[:3]} twice: each class needs one code")
