@@ -508,8 +508,8 @@ def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers
     this process to read: once a whole pass has left every sample cached, the next passes are
     read here, as without workers (same batches, same order, the workers left idle). Not
     after a pass cut short, nor on one of several ranks or over a sampler that may repeat
-    samples (their pass leaves others uncached); a sample missing after all is made here,
-    and the pass after that has workers again. With cores to spare the workers keep reading."""
+    samples (their pass leaves others uncached); a sample missing after all is made and
+    cached here. With cores to spare the workers keep reading."""
     monkeypatch.setattr(fastload.loader, "_cores", lambda: cores)
     (tmp_path / "data").mkdir()
     for i in range(50):
@@ -521,13 +521,7 @@ def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers
         return fastload.DataLoader(dataset, batch_size=8, num_workers=2, **kwargs)
 
     def passes(source: fastload.DataLoader, count: int) -> list[list[list[int]]]:
-        out = []
-        for _ in range(count):
-            out.append([[int(v) for v in batch[:, 0, 0]] for batch in source])
-        return out
-
-    def read_here(source: fastload.DataLoader) -> int:
-        return int(source.dataset.counters.dataset.samples)  # type: ignore[attr-defined]
+        return [[[int(v) for v in batch[:, 0, 0]] for batch in source] for _ in range(count)]
 
     filling = loader("c", shuffle=True, seed=5)
     plain = fastload.DataLoader(
@@ -547,12 +541,13 @@ def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers
     every = filling.report("all").counters
     assert every is not None and every.cache.misses == every.cache.writes == 50
 
-    Cache(tmp_path / "c").clear()  # gone after all: made here, right values
+    Cache(tmp_path / "c").clear()  # gone after all: made and cached here, right values
     assert passes(filling, 1) == passes(plain, 1)
     assert main.cache.writes == 50 and main.fetch.objects == 50
+    assert filling._cached_whole  # that pass left every sample cached again
     before = main.cache.hits
     Cache(tmp_path / "c").clear()
-    filling._cached_whole = False  # the next pass has workers again
+    filling._cached_whole = False  # as after a pass that left samples uncached
     passes(filling, 1)
     assert main.cache.writes == 50 and main.cache.hits == before  # the workers made them
 

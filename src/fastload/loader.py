@@ -264,7 +264,8 @@ class DataLoader(tud.DataLoader[Any]):
         without a core to spare beside the workers: a worker's part of a warm batch (a look at
         the cache's index, the hand-over) only adds to the read this process makes anyway,
         and competes with it for the CPU. Same batches, same order; a sample missing after all
-        (evicted, the cache cleared) is made here, and the next pass has workers. With cores
+        (evicted, the cache cleared) is made and cached here; a pass that leaves samples
+        uncached gives the next back to the workers. With cores
         to spare (16 on the H100 machine, 8 workers) the workers keep the warm passes: there
         it was not shown to pay (docs/benchmarks.md, GPU)."""
         for indices in self.batch_sampler:  # type: ignore[union-attr]
