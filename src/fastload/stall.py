@@ -398,7 +398,7 @@ def _write_time(cache: CacheStats) -> str:
     blocked = max(0.0, cache.write_s - cache.write_cpu_s - cache.write_queued_s)
     split = (
         f"{cache.write_cpu_s:.2f} s on a CPU, {cache.write_queued_s:.2f} s waiting for one, "
-        f"{blocked:.2f} s blocked (the disk, a lock)"
+        f"{blocked:.2f} s blocked (on the disk, Python's GIL or a lock: not told apart)"
     )
     most = max(cache.write_cpu_s, cache.write_queued_s, blocked)
     if most == cache.write_queued_s:
@@ -408,7 +408,8 @@ def _write_time(cache: CacheStats) -> str:
         )
     if most == blocked:
         return (
-            f"its largest part blocked ({split}); {beforehand} or put the cache on faster storage"
+            f"its largest part blocked ({split}); {beforehand}, put the cache on faster storage "
+            "if its disk is slow, or run fewer threads if many share the process"
         )
     return (
         f"its largest part on a CPU, not the disk ({split}: encoding the samples and copying "

@@ -36,7 +36,7 @@ def thread_times() -> tuple[float, float]:
     kernel does not say (not Linux), the second is 0 and the first is ``time.thread_time``.
 
     Beside wall time this tells where a stretch of work went: on a CPU, queued for one (the
-    cores busy with other threads and processes) or neither (blocked: a disk, a lock).
+    cores busy with other threads and processes) or neither (blocked: a disk, the GIL, a lock).
     """
     if QUEUE_KNOWN:
         try:
