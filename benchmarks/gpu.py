@@ -14,10 +14,12 @@ In one process, ``REPEATS`` interleaved runs of each, medians reported:
   torch's DataLoader + ``batch.to(device)`` (torch's defaults); torch's at its best documented
   configuration (``pin_memory=True``, ``persistent_workers=True``, ``non_blocking=True``);
   that same torch loader under DeviceLoader (what the side stream alone adds); fastload's
-  DataLoader + DeviceLoader at their defaults; and DeviceLoader from pageable memory.
+  DataLoader + DeviceLoader at their defaults, and the same with workers forked (what the
+  default forkserver's start costs); and DeviceLoader from pageable memory.
   Rows give the first batch's wait, the first pass's samples/s (worker start-up included), the
-  later passes' samples/s and wait share (medians), the stall report's verdict on them, and
-  the ratio of later passes to torch's best loop.
+  later passes' samples/s and wait share (medians), the stall report's verdict on them, the
+  ratio of later passes to torch's best loop, and the first run's first batch apart (the
+  process's first loader of a kind pays one-off starts that the medians leave out).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ BATCH = 64
 EPOCHS = 3
 BEST_TORCH = "torch pin_memory + persistent + non_blocking"
 
+FIRST_RUN = "first run's first batch s"
 Step = Callable[[torch.Tensor], float]
 
 
@@ -133,9 +136,14 @@ def _loops(
     def plain(best: bool) -> Iterable[Any]:
         return _Moved(torch_loader(best), device, non_blocking=best)
 
-    def ours(pin: bool) -> Iterable[Any]:
+    def ours(pin: bool, context: str | None = None) -> Iterable[Any]:
         loader = fastload.DataLoader(
-            dataset, BATCH, shuffle=True, num_workers=workers, pin_memory=pin
+            dataset,
+            BATCH,
+            shuffle=True,
+            num_workers=workers,
+            pin_memory=pin,
+            multiprocessing_context=context,
         )
         return DeviceLoader(loader, device)
 
@@ -146,6 +154,8 @@ def _loops(
             torch_loader(True), device
         )
         loops["fastload DataLoader + DeviceLoader (defaults)"] = lambda: ours(True)
+        if workers:  # what the forkserver's start costs, beside workers that fork
+            loops["the same, workers forked"] = lambda: ours(True, "fork")
     loops["fastload DeviceLoader, pageable"] = lambda: ours(False)
     return loops
 
@@ -220,11 +230,14 @@ def gpu_rows(device_name: str, quick: bool) -> dict[str, Any]:
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each figure's median over the runs; the verdict of the most runs."""
+    """Each figure's median over the runs; the verdict of the most runs; and the first run's
+    first batch apart (a process's first loader of a kind pays one-off starts, such as the
+    forkserver's, which the median leaves out)."""
     row: dict[str, Any] = {
         key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "verdict"
     }
     row["verdict"] = statistics.mode(r["verdict"] for r in runs)
+    row[FIRST_RUN] = runs[0]["first batch s"]
     return row
 
 
@@ -243,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratio = next(v for k, v in row.items() if k.startswith("later vs"))
         print(  # a benchmark's report, not the library's
             f"{row['loop']:<46} first {row['first batch s']:.2f} s"
+            f" (first run {row[FIRST_RUN]:.2f} s)"
             f"  pass 1 {row['first pass samples/s']:>6.0f}/s"
             f"  later {row['later samples/s']:>6.0f}/s wait {row['later wait share']:.1%}"
             f"  {row['verdict']}-bound  x{ratio:.2f}"
