@@ -10,7 +10,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 CONSTRAINTS := requirements/constraints.txt
 URL ?=
 
-.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick bytecode docs clean gpu-check gpu-wheels
+.PHONY: help env xla-env test test-main test-xla test-load soak demo lint bench bench-quick bytecode docs clean gpu-check gpu-wheels gpu-rehearse
 
 help:
 	@echo "make demo   - the main job on an embedded default dataset (or URL=s3://bucket/prefix)"
@@ -22,6 +22,7 @@ help:
 	@echo "make test-load - the reliability, fetch and server tests beside 10 busy processes"
 	@echo "make gpu-check - on a GPU machine: the cuda tests and the GPU benchmark (no venv needed)"
 	@echo "make gpu-wheels - fetch into .whl/ the wheels gpu-check needs on a machine without network"
+	@echo "make gpu-rehearse - here, before device time: gpu-check's imports as on the GPU image"
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt requirements/docs.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
@@ -89,6 +90,12 @@ bytecode: env
 # On a GPU machine as it is (python3 with a CUDA torch, no network): see benchmarks/gpu_check.sh.
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# the packages the GPU image lacks made unimportable: the cuda tests collect, the benchmark runs
+gpu-rehearse: env
+	PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m benchmarks.gpu_rehearse -m pytest -p pytest_timeout \
+		-p no:cacheprovider -m cuda tests/test_device.py -q
+	$(PY) -m benchmarks.gpu_rehearse -m benchmarks.gpu --device cpu --quick --out /tmp/gpu-rehearsal.json
 
 # fastload's dependencies that a CUDA image may lack, as Python 3.12 x86-64 wheels.
 GPU_WHEELS := crc32c==2.9.post0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,19 @@ def test_gpu_benchmark_runs_its_loops_on_the_cpu(tmp_path: Path) -> None:
         assert row["first pass samples/s"] > 0 and row["later samples/s"] > 0, row
         assert 0 <= row["later wait share"] < 1 and row["verdict"] in {"data", "compute"}, row
         assert row[gpu.FIRST_RUN] >= 0, row  # the first run's first batch, kept apart
+
+
+def test_the_gpu_rehearsal_refuses_what_the_gpu_image_lacks() -> None:
+    """`make gpu-rehearse` is worth something only if an import of a package the GPU image
+    lacks fails here as it would there (in a child: the refusal lasts for its process)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_rehearse", "-m", "s3fs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0 and "s3fs is not on the GPU image" in done.stderr, done.stderr
 
 
 def test_peer_benchmark_runs_every_reader_on_every_store() -> None:
