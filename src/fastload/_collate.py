@@ -40,11 +40,11 @@ def collate(batch: list[Any]) -> Any:
 
 def noted(collate_fn: Callable[[list[Any]], Any], batch: list[Any]) -> Any:
     """``collate_fn(batch)``; what it raises carries a note naming the keys whose values are
-    None in some samples (see :func:`note_nulls`)."""
+    None in some samples (see :func:`_note_nulls`)."""
     try:
         return collate_fn(batch)
     except Exception as exc:
-        note_nulls(batch, exc)
+        _note_nulls(batch, exc)
         raise
 
 
@@ -60,7 +60,7 @@ def _collate(batch: list[Any]) -> Any:
     return default_collate(batch)
 
 
-def note_nulls(batch: list[Any], exc: BaseException) -> None:
+def _note_nulls(batch: list[Any], exc: BaseException) -> None:
     """Where collating a batch of dicts failed, add a note naming the keys that some of its
     samples hold None at (a null in a parquet column): torch's own error names neither.
     (Python 3.10 has no notes: its error is torch's alone.)"""

@@ -241,14 +241,14 @@ class DataLoader(tud.DataLoader[Any]):
         self._cached_whole = False  # until this pass says so
         for source in self._lookaheads:
             source.here = here
+        if not here:
+            self._before_fork()
+            self._head_start()
         started = time.perf_counter()
         batches: Iterator[Any]
         if here:
             batches = self._read_here()
         else:
-            self._before_fork()
-            self._head_start()
-            started = time.perf_counter()
             if isinstance(self.worker_init_fn, _WorkerInit):
                 self.worker_init_fn.started = time.time()  # workers start below (if not running)
             batches = super().__iter__()
