@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import tifffile
 import torch
 
 import fastload
-from fastload import Cache, ConfigError, DecodeError, ObjectNotFoundError, RemoteDataset
+from fastload import Cache, ConfigError, DecodeError, Manifest, ObjectNotFoundError, RemoteDataset
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
@@ -144,7 +145,7 @@ def test_members_come_in_numbered_order(seaweed: S3Server) -> None:
     assert stacked.tolist() == [40_000 + c for c in range(1, 13)]
 
 
-def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> None:
+def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server, tmp_path: Path) -> None:
     root = f"s3://{BUCKET}/incomplete-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
     cell_painting(root, options)
@@ -156,6 +157,17 @@ def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server) -> N
         root, group_by=CHANNEL_RE, decode="tiff", incomplete="skip", storage_options=options
     )
     assert len(skipped) == len(FIELDS) - 1
+    named = [f"{root}/{FIELDS[2]}: incomplete group, missing ['_ch3.tiff']"]
+    assert skipped.stats()["dataset"]["left_out"] == named  # where a script can see it too
+    skipped.manifest.save(tmp_path / "m.npz")  # a restart from it groups nothing again
+    again = RemoteDataset(
+        Manifest.load(tmp_path / "m.npz"),
+        group_by=CHANNEL_RE,
+        decode="tiff",
+        incomplete="skip",
+        storage_options=options,
+    )
+    assert len(again) == len(FIELDS) - 1 and again.stats()["dataset"]["left_out"] == named
     kept = RemoteDataset(
         root, group_by=CHANNEL_RE, decode="tiff", incomplete="accept", storage_options=options
     )

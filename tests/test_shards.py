@@ -406,6 +406,10 @@ def test_an_incomplete_tar_sample_is_named_as_for_groups(
     with caplog.at_level(logging.WARNING, logger="fastload"):
         skipped = made(incomplete="skip")
     assert len(skipped) == 23 and "leaving out 2 incomplete tar samples" in caplog.text
+    assert skipped.stats()["dataset"]["left_out"] == [  # where a script can see them too
+        f"{root}/shard-001.tar#{key(22)}: incomplete sample, extra ['txt']",
+        f"{root}/shard-001.tar#{key(24)}: incomplete sample, missing ['cls']",
+    ]
     names = [skipped.source[i].name for i in range(len(skipped))]
     assert key(24) not in names and key(22) not in names and key(23) in names
     assert skipped[22]["cls"] == str(23 % 3).encode()  # the samples after them are in place

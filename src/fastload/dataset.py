@@ -573,6 +573,7 @@ class RemoteDataset(_Batched):
             )
             self.manifest = groups.manifest  # with the grouping: save it to skip grouping again
             self.source = groups
+            left_out = groups.left_out
         self.decode = _decoder(decode, self.source)
         self._length = len(self.source) if limit is None else min(limit, len(self.source))
         if self._length == 0:

@@ -110,19 +110,24 @@ class Entry:
 @dataclass(frozen=True)
 class Grouping:
     """Samples made of several entries (``RemoteDataset(group_by=...)``), kept with a manifest
-    so that a saved one is not grouped again: the rule that made it, each group's name, and
-    the entry indices of each group's members (``members[ends[i-1]:ends[i]]``)."""
+    so that a saved one is not grouped again: the rule that made it, each group's name, the
+    entry indices of each group's members (``members[ends[i-1]:ends[i]]``), and the groups the
+    rule left out (``incomplete="skip"``), each with its reason."""
 
     rule: str
     names: Strings
     members: np.ndarray
     ends: np.ndarray
+    left_out: Strings
 
     @classmethod
-    def of(cls, rule: str, groups: Sequence[tuple[str, Sequence[int]]]) -> Grouping:
+    def of(
+        cls, rule: str, groups: Sequence[tuple[str, Sequence[int]]], left_out: Sequence[str] = ()
+    ) -> Grouping:
         members = np.asarray([i for _, idx in groups for i in idx], dtype=np.int64)
         ends = np.cumsum([len(idx) for _, idx in groups], dtype=np.int64)
-        return cls(rule, Strings.of([name for name, _ in groups]), members, ends)
+        names = Strings.of([name for name, _ in groups])
+        return cls(rule, names, members, ends, Strings.of(left_out))
 
     def groups(self) -> list[tuple[str, list[int]]]:
         starts = [0, *self.ends[:-1].tolist()]
@@ -519,6 +524,8 @@ class Manifest(Sequence[Entry]):
             arrays["group_name_ends"] = self.grouping.names.ends
             arrays["group_members"] = self.grouping.members
             arrays["group_ends"] = self.grouping.ends
+            arrays["group_left_out_blob"] = self.grouping.left_out.blob
+            arrays["group_left_out_ends"] = self.grouping.left_out.ends
         if self.shard_indexes is not None:
             arrays.update(_shard_index_arrays(self.shard_indexes))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -723,7 +730,13 @@ def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:
     if meta.get("grouping") is None:
         return None
     names = Strings(data["group_name_blob"], data["group_name_ends"])
-    return Grouping(str(meta["grouping"]), names, data["group_members"], data["group_ends"])
+    # a manifest saved before groups left out were kept has none: its rule (``|numbered``,
+    # not ``|left-out``) is not today's, so such a grouping is made again, not used
+    left_out = Strings.of([])
+    if "group_left_out_ends" in data:
+        left_out = Strings(data["group_left_out_blob"], data["group_left_out_ends"])
+    members, ends = data["group_members"], data["group_ends"]
+    return Grouping(str(meta["grouping"]), names, members, ends, left_out)
 
 
 _MARKER_NAMES = (".bzEmpty",)  # what B2's web console writes to make a "folder"

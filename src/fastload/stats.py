@@ -156,7 +156,8 @@ class DatasetStats:
     skipped: int = 0  # failed samples replaced under on_error="skip"
     skipped_keys: list[str] = field(default_factory=list)
     refreshed: int = 0  # samples read at their objects' new versions (on_change="refresh")
-    # shards (or their samples) left out when the dataset was made, under on_error="skip"
+    # shards, samples or groups left out when the dataset was made, under on_error="skip" or
+    # incomplete="skip", each with its reason
     left_out: list[str] = field(default_factory=list)
     prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
     # CachedDataset: the wrapped dataset making a missing sample (its own reads included)

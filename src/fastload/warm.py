@@ -29,8 +29,8 @@ __all__ = ["WarmReport", "tar_shard_groups", "tar_shards_part", "warm_cache", "w
 class WarmReport:
     """What one warm-up did. ``failures`` maps each failed object's URL to its error;
     ``unstored`` counts samples made but not cached because the cache's disk was full;
-    ``left_out`` names the shards (or their samples) the dataset left out when it was made,
-    under ``on_error="skip"``, each with its reason."""
+    ``left_out`` names the shards, samples or groups the dataset left out when it was made,
+    under ``on_error="skip"`` or ``incomplete="skip"``, each with its reason."""
 
     samples: int = 0
     hits: int = 0  # already cached (a rerun skips them)

@@ -57,7 +57,8 @@ class Shards:
         self.root = manifest.root
         self.config = config or ChunkConfig.from_env()
         self.on_error = on_error
-        self.left_out: list[str] = []  # what on_error="skip" left out, each with its reason
+        # what on_error="skip" (and a format's incomplete="skip") left out, each with its reason
+        self.left_out: list[str] = []
         found = [e for e in manifest if e.key.lower().endswith(self.suffixes)]
         self._refuse_unreadable(manifest)
         if not found:

@@ -60,16 +60,17 @@ class Groups:
         rule = _rule(group_by, incomplete, members)
         saved = manifest.grouping
         if saved is not None and saved.rule == rule:
-            found = saved.groups()
+            found, left_out = saved.groups(), saved.left_out.tolist()
             log.info("%s: %d groups as saved with the manifest (%s)", self.root, len(found), rule)
         else:
             keys = manifest.keys()
             groups = _group(keys, manifest.root, group_by)
-            groups = _check_complete(groups, keys, manifest.root, incomplete, members)
+            groups, left_out = _check_complete(groups, keys, manifest.root, incomplete, members)
             found = [(name, _numbered(groups[name], keys)) for name in sorted(groups)]
             if rule is not None:  # saving the manifest keeps it: a restart does not group again
-                manifest = manifest.with_grouping(Grouping.of(rule, found))
+                manifest = manifest.with_grouping(Grouping.of(rule, found, left_out))
         self.manifest = manifest
+        self.left_out = left_out  # incomplete groups, under incomplete="skip": why each
         self.names = [name for name, _ in found]
         self._members = [idx for _, idx in found]
         self.classes: tuple[str, ...] | None = None
@@ -140,7 +141,7 @@ def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str |
             what = f"fn:{fingerprint(group_by)}"
     except (re.error, ConfigError, TypeError):  # grouping says what is wrong with it
         return None
-    return f"{what}|incomplete={incomplete}|members={members!r}|numbered"
+    return f"{what}|incomplete={incomplete}|members={members!r}|numbered|left-out"
 
 
 def _numbered(members: list[int], keys: list[str]) -> list[int]:
@@ -230,12 +231,13 @@ def _check_complete(
     root: str,
     incomplete: Incomplete,
     members: int | Sequence[str] | None,
-) -> dict[str, list[int]]:
+) -> tuple[dict[str, list[int]], list[str]]:
+    """The groups to keep, and those left out under "skip" (URL and why, in name order)."""
     roles = {g: frozenset(_role(keys[i], g) for i in idx) for g, idx in groups.items()}
     why = incomplete_sets(Counter(roles.values()), members)  # none: groups differ by nature
     bad = {g: why[r] for g, r in roles.items() if r in why}
     if not bad or incomplete == "accept":
-        return groups
+        return groups, []
     shown = "; ".join(f"{g!r}: {why}" for g, why in sorted(bad.items())[:_SHOWN])
     if incomplete == "raise":
         raise ConfigError(
@@ -243,7 +245,8 @@ def _check_complete(
             "pass incomplete='skip' to leave them out or 'accept' to keep them"
         )
     log.warning("leaving out %d incomplete groups under %s: %s", len(bad), root, shown)
-    return {g: idx for g, idx in groups.items() if g not in bad}
+    left_out = [f"{root}/{g}: incomplete group, {why}" for g, why in sorted(bad.items())]
+    return {g: idx for g, idx in groups.items() if g not in bad}, left_out
 
 
 def _folder(name: str) -> str:

@@ -64,7 +64,7 @@ class TarShards(Shards):
         if members is not None and not isinstance(members, int):  # extensions are lowercased
             members = [str(ext).lower().lstrip(".") for ext in members]
         self.incomplete, self.members = incomplete, members
-        self._left_out: frozenset[frozenset[str]] = frozenset()  # incomplete, skipped
+        self._left_out: dict[frozenset[str], str] = {}  # incomplete sets, skipped: why
         self._reporting = True  # what is wrong with a member is reported (the first pass)
         super().__init__(*args, **kwargs)
 
@@ -96,12 +96,12 @@ class TarShards(Shards):
         self._roles: Counter[frozenset[str]] = Counter()  # samples by their extensions
         self._examples: dict[frozenset[str], list[str]] = {}
 
-    def _incomplete(self) -> frozenset[frozenset[str]]:
-        """The sets of extensions that make a sample incomplete, to leave out (``"skip"``);
-        ``"raise"`` names them instead, ``"accept"`` keeps them."""
+    def _incomplete(self) -> dict[frozenset[str], str]:
+        """The sets of extensions that make a sample incomplete, with what is wrong with each,
+        to leave out (``"skip"``); ``"raise"`` names them instead, ``"accept"`` keeps them."""
         why = incomplete_sets(self._roles, self.members)
         if not why or self.incomplete == "accept":
-            return frozenset()
+            return {}
         bad = sum(self._roles[roles] for roles in why)
         named = [f"{name!r}: {why[roles]}" for roles in why for name in self._examples[roles]]
         shown = "; ".join(named[:_SHOWN])
@@ -111,7 +111,7 @@ class TarShards(Shards):
                 f"({shown}); pass incomplete='skip' to leave them out or 'accept' to keep them"
             )
         log.warning("leaving out %d incomplete tar samples under %s: %s", bad, self.root, shown)
-        return frozenset(why)
+        return why
 
     def _add(self, shard: int, entry: Entry, index: dict[str, np.ndarray]) -> None:
         names = Strings(index["name_blob"], index["name_ends"]).tolist()
@@ -190,8 +190,11 @@ class TarShards(Shards):
                 bad(entry, f"sample {key!r} comes twice (its members are not adjacent)")
             else:
                 seen.add(key)
-                if frozenset(exts) not in self._left_out:  # incomplete, under "skip"
+                why = self._left_out.get(frozenset(exts))  # incomplete, under "skip"
+                if why is None:
                     good.append((key, members))
+                else:
+                    self.left_out.append(f"{entry.url}#{key}: incomplete sample, {why}")
         return good
 
     def _name(self, index: int) -> str:
