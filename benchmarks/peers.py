@@ -3,8 +3,9 @@
 N x 150 KB float32 arrays (.npy objects) on a loopback object store (SeaweedFS for S3,
 fake-gcs-server for GCS, our B2 server) behind the proxy adding 20 ms per request. Each reader
 runs in its own process (``python -m benchmarks.peers '<spec>'``), so no reader inherits another's
-imports, clients or caches: it builds its dataset, reads a cold epoch (timing the first batch
-from construction) and a warm epoch, and prints its rates. The parent samples the PSS of that
+imports, clients or caches: it imports its library (untimed, as fastload's own import is),
+builds its dataset, reads a cold epoch (timing the first batch from construction) and a warm
+epoch, and prints its rates. The parent samples the PSS of that
 process tree every 50 ms for the peak. Readers run interleaved, ``repeats`` times; medians.
 
 Readers (batch 32, shuffled). Every peer runs at each DataLoader worker count in
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import json
 import os
@@ -315,10 +317,30 @@ SWEEPS = ("fastload-workers",)  # fastload at each worker count: how it scales, 
 PER_OBJECT = ("torch", "filecache", "s3torchconnector")
 
 
+# What a peer's reader imports, imported before its clock starts as fastload is (this module
+# imports it): a library's import (litdata's is 0.23 s here) is not data loading. It was timed
+# in the peers' cold epochs and not in fastload's until 2026-11-28.
+PEER_IMPORTS: dict[str, tuple[str, ...]] = {
+    "s3torchconnector": ("s3torchconnector",),
+    "litdata": ("litdata", "litdata.streaming.downloader"),
+    "webdataset": ("webdataset",),
+}
+
+
+def import_reader(reader: str) -> None:
+    """Import ``reader``'s library (see ``PEER_IMPORTS``)."""
+    if reader == "mosaic":
+        _mosaic_modules()
+    for module in PEER_IMPORTS.get(reader, ()):
+        importlib.import_module(module)
+
+
 def _epochs(spec: Spec) -> dict[str, Any]:
     """In the child: construct, then read ``spec.epochs`` epochs (the first batch of the first,
-    cold, one timed from construction); samples/s per epoch, and of the cold epoch after its
-    first batch (what is left once workers, listing and indexing are done)."""
+    cold, one timed from construction, after the reader's imports); samples/s per epoch, and of
+    the cold epoch after its first batch (what is left once workers, listing and indexing are
+    done)."""
+    import_reader(spec.reader)
     started = time.perf_counter()
     loader = READERS[spec.reader][1](spec)
     first = 0.0

@@ -10,8 +10,10 @@ a small entry filled a 4 KB block. So ``pt`` and ``npy`` entries go into segment
                               random), which holds a shared lock on it while it may append;
                               its threads take space at the end under a lock and write
                               into it at once
-    index/<ab><suffix>        fixed 48-byte records, one per write or removal of an entry whose
-                              digest starts with ``ab``: digest, segment, offset, length, CRC32C
+    index/<a><suffix>         fixed 48-byte records, one per write or removal of an entry whose
+                              digest starts with ``a``: digest, segment, offset, length, CRC32C
+                              (16 shards; 256, named by two digits, in a cache made before
+                              2026-11-28: ``Packed.width``)
 
 An entry's bytes are written before its record, a segment's records are appended in the order
 its space was taken (each once all bytes before it are written), and a record is one
@@ -73,8 +75,9 @@ class Where:
 class Packed:
     """The segments and index of one format under a cache root; one per ``Cache``."""
 
-    def __init__(self, root: Path, layout: FileFormat) -> None:
+    def __init__(self, root: Path, layout: FileFormat, width: int) -> None:
         self.layout = layout
+        self.width = width  # an index shard holds the digests that start with its name
         self.suffix = layout.suffix
         self.segments = root / "segments"
         self._folder = str(self.segments)
@@ -84,7 +87,7 @@ class Packed:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._structures: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
         self._writer: _Writer | None = None
-        self._appending: dict[str, int] = {}  # index shards open for appending, by shard
+        self._appending: dict[str, tuple[int, int]] = {}  # index shards open to append: fd, inode
         self._mutex = threading.Condition()  # notified when records are appended
         self._pid = os.getpid()
 
@@ -179,7 +182,7 @@ class Packed:
         places: list[Where | None] = []
         refreshed: set[str] = set()
         for digest in digests:
-            shard, key = digest[:2], bytes.fromhex(digest)
+            shard, key = digest[: self.width], bytes.fromhex(digest)
             known = self._known.get(shard)
             where = None if known is None else known.get(key)
             if where is None and shard not in refreshed:
@@ -279,8 +282,8 @@ class Packed:
 
     def _forget(self, digest: str) -> None:
         """Drop what the index said of ``digest`` (the caller holds the lock)."""
-        self._known.get(digest[:2], {}).pop(bytes.fromhex(digest), None)
-        self._read_to.pop(digest[:2], None)  # read the shard again from its start
+        self._known.get(digest[: self.width], {}).pop(bytes.fromhex(digest), None)
+        self._read_to.pop(digest[: self.width], None)  # read the shard again from its start
 
     def _refresh(self, shard: str) -> None:
         """Apply the shard's records appended since the last read (all of them if the file was
@@ -320,7 +323,7 @@ class Packed:
         """Every entry the index holds, as of now (segments maybe gone since): its digest,
         place and a description for reports."""
         with self._guard():
-            for shard in {*_shards(self.index, self.suffix), *self._known}:
+            for shard in {*_shards(self.index, self.suffix, self.width), *self._known}:
                 self._refresh(shard)
             return [
                 (key.hex(), at, f"{self._segment_path(at.segment)}@{at.offset}")
@@ -396,32 +399,39 @@ class Packed:
         for digest, where in places:
             key = bytes.fromhex(digest)
             fields = _fields(key, where.segment, where.offset, where.length)
-            by_shard.setdefault(digest[:2], []).append(
-                fields + crc32c(fields).to_bytes(4, "little")
-            )
-            known = self._known.get(digest[:2])
+            shard = digest[: self.width]
+            by_shard.setdefault(shard, []).append(fields + crc32c(fields).to_bytes(4, "little"))
+            known = self._known.get(shard)
             if known is not None:  # our own write: no need to read it back
                 if where.length:
                     known[key] = where
                 else:
                     known.pop(key, None)
         for shard, records in by_shard.items():
-            os.write(self._index_fd(shard), b"".join(records))
+            fd, inode = self._index_fd(shard)
+            data = b"".join(records)
+            os.write(fd, data)
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # appending: the end of what this wrote
+            if self._read_to.get(shard) == (inode, end - len(data)):
+                # nothing between what was read and this: its records are known already, so
+                # the next look at the shard (a cold epoch's next miss) does not read them back
+                self._read_to[shard] = (inode, end)
 
-    def _index_fd(self, shard: str) -> int:
-        """The shard's index, open for appending (the caller holds the lock). Kept open while
-        this process writes to one segment: a cleared index goes with the segment, and the
-        next segment opens the index again."""
-        fd = self._appending.get(shard)
-        if fd is None:
+    def _index_fd(self, shard: str) -> tuple[int, int]:
+        """The shard's index, open for appending, and its inode (the caller holds the lock).
+        Kept open while this process writes to one segment: a cleared index goes with the
+        segment, and the next segment opens the index again."""
+        opened = self._appending.get(shard)
+        if opened is None:
             path = f"{self.index}/{shard}{self.suffix}"
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            fd = self._appending[shard] = os.open(path, flags, 0o600)
-        return fd
+            fd = os.open(path, flags, 0o600)
+            opened = self._appending[shard] = (fd, os.fstat(fd).st_ino)
+        return opened
 
     def _close_index(self) -> None:
         """Close the index shards open for appending (the caller holds the lock)."""
-        for fd in self._appending.values():
+        for fd, _ in self._appending.values():
             os.close(fd)
         self._appending = {}
 
@@ -642,13 +652,13 @@ def _read_all(fd: int, start: int) -> bytes:
     return b"".join(chunks)
 
 
-def _shards(folder: Path, suffix: str) -> list[str]:
+def _shards(folder: Path, suffix: str, width: int) -> list[str]:
     try:
         with os.scandir(folder) as items:
             return sorted(
                 item.name[: -len(suffix)]
                 for item in items
-                if item.name.endswith(suffix) and len(item.name) == 2 + len(suffix)
+                if item.name.endswith(suffix) and len(item.name) == width + len(suffix)
             )
     except FileNotFoundError:
         return []

@@ -2,13 +2,14 @@
 
 Layout under ``root``::
 
-    fastload-cache.json   marker (layout version); a non-empty folder without it is refused
+    fastload-cache.json   marker (layout version, shard width); a non-empty folder without it
+                          is refused
     CACHEDIR.TAG          tells backup tools to skip the folder
     segments/<id><suffix>            pt and npy entries, many to a file (see cache/_packed.py)
-    index/<ab><suffix>               where each pt or npy entry is in the segments
+    index/<a><suffix>                where each pt or npy entry is in the segments
     entries/ab/cd/<digest><suffix>   one Zarr group per zarr entry (and pt/npy entries of
                                      earlier versions, still read, one file each)
-    locks/ab.lock                    entry locks, one byte per entry (Linux OFD locks): held while
+    locks/a.lock                     entry locks, one byte per entry (Linux OFD locks): held while
                                      a sample is computed (zarr: also while read); elsewhere
                                      locks/ab/<digest>.lock, one file per entry being computed
     tmp/<digest>.<pid>.<random>      writes in progress; renamed into entries/ when complete
@@ -71,6 +72,11 @@ log = logging.getLogger(__name__)
 CacheFormat = Literal["pt", "npy", "zarr"]
 _LAYOUT = 1
 _MARKER = "fastload-cache.json"
+# Index shards and lock files are named by the first hex digit of a digest: 16 of each. A cache
+# made before 2026-11-28 has no "shard_width" in its marker and keeps its 256 of each (two
+# digits), which processes of earlier versions also use. Each is a file made once: on this
+# project's VM making a file costs about 0.95 ms of CPU, and a new cache's first epoch made 512.
+_SHARD_WIDTH, _OLD_SHARD_WIDTH = 1, 2
 _TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to delete\n"
 _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
 _SUBDIRS = ("entries", "locks", "tmp", "segments", "index")
@@ -183,7 +189,6 @@ class Cache:
         self.counters = CacheStats()
         self._layout: Format = FORMATS[format]()
         self._digest_prefix = f"{format}\0".encode()
-        self._packed = self._segments()
         self._entry_root = str(self.root / "entries")
         self._lock_root = str(self.root / "locks")
         self._usage_path = self.root / f"usage-{format}"
@@ -196,6 +201,7 @@ class Cache:
                 log.warning("%s cannot be written: the cache is read only", self.root)
         else:
             self._prepare()
+        self._packed = self._segments()
         self._adopt_budget(max_bytes)
         # pt/npy entries of an earlier version (a file each) were here when this Cache was
         # opened: a miss looks for one, a write replaces one (else neither costs a syscall)
@@ -213,7 +219,9 @@ class Cache:
     def _segments(self) -> Packed | None:
         """pt and npy entries go into segments (see cache/_packed.py); zarr ones are folders."""
         layout = self._layout
-        return Packed(self.root, layout) if isinstance(layout, FileFormat) else None
+        if not isinstance(layout, FileFormat):
+            return None
+        return Packed(self.root, layout, self._shard_width)
 
     def __bool__(self) -> bool:
         return True  # a handle: ``if cache:`` must not count the entries on disk
@@ -243,9 +251,8 @@ class Cache:
                         "choose a new or empty directory"
                     )
                 _atomic_text(self.root / "CACHEDIR.TAG", _TAG)
-                _atomic_text(marker, json.dumps({"layout": _LAYOUT}))
-            elif json.loads(marker.read_text()).get("layout") != _LAYOUT:
-                raise CacheError(f"{self.root} holds a cache of another fastload layout")
+                _atomic_text(marker, json.dumps({"layout": _LAYOUT, "shard_width": _SHARD_WIDTH}))
+            self._read_marker(marker)
             for sub in _SUBDIRS:
                 with contextlib.suppress(FileExistsError):
                     (self.root / sub).mkdir(mode=0o700)
@@ -286,12 +293,22 @@ class Cache:
     def _check_cache(self) -> None:
         """What a read-only cache needs: the marker of this layout and real subfolders."""
         try:
-            layout = json.loads((self.root / _MARKER).read_text()).get("layout")
+            self._read_marker(self.root / _MARKER)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, CacheError):
+                raise
             raise CacheError(f"{self.root} is not a fastload cache ({_why(exc)})") from exc
-        if layout != _LAYOUT:
-            raise CacheError(f"{self.root} holds a cache of another fastload layout")
         self._check_subdirs()
+
+    def _read_marker(self, marker: Path) -> None:
+        """This layout's marker: its shard width, or a CacheError."""
+        found = json.loads(marker.read_text())
+        if not isinstance(found, dict):
+            found = {}
+        width = found.get("shard_width", _OLD_SHARD_WIDTH)
+        if found.get("layout") != _LAYOUT or width not in (_SHARD_WIDTH, _OLD_SHARD_WIDTH):
+            raise CacheError(f"{self.root} holds a cache of another fastload layout")
+        self._shard_width: int = width
 
     def _writable(self, what: str) -> None:
         if self.read_only:
@@ -344,10 +361,13 @@ class Cache:
         return self.root / "manifests" / f"{digest}.npz"
 
     def _lock(self, digest: str) -> EntryLock:
-        """The entry's lock: a byte of one of 256 shared files (or, without OFD locks, a file
-        of its own, removed by its last exclusive holder)."""
+        """The entry's lock: a byte of one of 16 shared files (256 in a cache made before
+        2026-11-28), or, without OFD locks, a file of its own, removed by its last exclusive
+        holder."""
         if OFD_LOCKS:
-            return RangeLock(f"{self._lock_root}/{digest[:2]}.lock", int(digest[2:10], 16))
+            width = self._shard_width
+            offset = int(digest[width : width + 8], 16)
+            return RangeLock(f"{self._lock_root}/{digest[:width]}.lock", offset)
         return FileLock(Path(self._lock_root, digest[:2], f"{digest}.lock"))
 
     # --- reading ------------------------------------------------------------------------------
@@ -990,7 +1010,7 @@ class Cache:
         _UNRECORDED_BYTES.take(self._usage_path)  # those bytes go too
         if self._packed is not None:
             self._packed.close()
-            self._packed = Packed(self.root, self._packed.layout)
+            self._packed = self._segments()
         counters = sorted(self.root.glob("usage-*"))
         locks = [FileLock(path) for path in counters]
         for lock in locks:  # in name order: two clears never wait on each other
