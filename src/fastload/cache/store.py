@@ -75,7 +75,7 @@ _MARKER = "fastload-cache.json"
 # Index shards and lock files are named by the first hex digit of a digest: 16 of each. A cache
 # made before 2026-11-28 has no "shard_width" in its marker and keeps its 256 of each (two
 # digits), which processes of earlier versions also use. Each is a file made once: on this
-# project's VM making a file costs about 0.95 ms of CPU, and a new cache's first epoch made 512.
+# project's VM making a file cost 0.1-0.95 ms of CPU, and a new cache's first epoch made 512.
 _SHARD_WIDTH, _OLD_SHARD_WIDTH = 1, 2
 _TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# a fastload cache: safe to delete\n"
 _LOW_WATER = 0.9  # eviction frees space down to this share of the budget
