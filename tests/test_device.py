@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import tarfile
+import threading
 import time
 import uuid
 from collections import namedtuple
@@ -275,6 +277,31 @@ def test_the_cache_write_time_is_split_into_cpu_queue_and_blocked(
     start = thread_times()
     sum(i * i for i in range(200_000))  # CPU work: the thread's on-CPU clock moves
     assert thread_times()[0] > start[0]
+
+
+def _child_thread_times(out: Any) -> None:
+    out.put(thread_times()[0])
+
+
+def test_thread_times_are_the_calling_threads_own_in_another_thread_and_after_a_fork() -> None:
+    """The write-time split reads the thread's schedstat at every write batch; opening it each
+    time cost 10 µs, a quarter of a small ``Cache.put``, so each thread keeps it open. Kept
+    open, it must still be the caller's: another thread's, and a forked child's own."""
+    sum(i * i for i in range(300_000))  # this thread has run a while
+    mine = thread_times()[0]
+    assert mine > 0.005
+    found: list[float] = []
+    other = threading.Thread(target=lambda: found.append(thread_times()[0]))
+    other.start()
+    other.join()
+    assert found[0] < mine  # a new thread's clock, not this one's
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_thread_times, args=(queue,))
+    child.start()
+    theirs = queue.get(timeout=60)
+    child.join(60)
+    assert theirs < mine  # the child's own thread, which has just started
 
 
 def _tar_shards(folder: Path, shards: int, per: int, shape: tuple[int, ...]) -> None:

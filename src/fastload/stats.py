@@ -6,8 +6,10 @@ however many requests it sees and merges across workers by adding counts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -40,12 +42,36 @@ def thread_times() -> tuple[float, float]:
     """
     if QUEUE_KNOWN:
         try:
-            with open(_SCHEDSTAT, "rb") as stat:
-                running, queued, _ = stat.read().split()
+            running, queued, _ = os.pread(_schedstat(), 128, 0).split()
             return int(running) / 1e9, int(queued) / 1e9
         except (OSError, ValueError):  # a sandbox that hides /proc: never fail a write for it
             pass
     return time.thread_time(), 0.0
+
+
+class _Schedstat:
+    """A thread's schedstat file, open while the thread (in this process) lives."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+_OWN = threading.local()
+
+
+def _schedstat() -> int:
+    """The calling thread's schedstat file, kept open by the thread (a read from its start
+    says what is true now): 0.8 µs a look against 10 µs to open it each time, which was a
+    quarter of a small ``Cache.put``. A forked child opens its own (the file names a thread)."""
+    held: _Schedstat | None = getattr(_OWN, "held", None)
+    if held is None or held.pid != os.getpid():
+        held = _OWN.held = _Schedstat()
+    return held.fd
 
 
 _PER_OCTAVE = 8
