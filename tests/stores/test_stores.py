@@ -89,6 +89,28 @@ def test_a_forked_child_gets_its_own_filesystem() -> None:
     assert child_id != id(parent)
 
 
+_OBSTORE_OPTIONS = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}
+
+
+def _child_obstore_client(store: Any, queue: Any) -> None:
+    queue.put(store._store("bucket") is None)
+
+
+def test_an_obstore_client_made_in_the_parent_is_not_used_in_a_forked_child() -> None:
+    pytest.importorskip("obstore")
+    from fastload.stores import open_store
+
+    store = open_store(parse_url("s3://bucket/x"), _OBSTORE_OPTIONS)
+    assert store._store("bucket") is not None  # type: ignore[attr-defined]
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_obstore_client, args=(store, queue))
+    child.start()
+    # its runtime does not survive the fork: the child takes the s3fs path, not this client
+    assert queue.get(timeout=60) is True
+    child.join(60)
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [

@@ -20,6 +20,7 @@ import functools
 import importlib
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ _OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "config_k
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout"}
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 _stores: PerProcess[tuple[str, str], Any] = PerProcess("obstore clients")
 _runtime = {"started": False, "inherited": False}
 
@@ -62,7 +64,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+@functools.cache
 def _obstore() -> Any:
+    """The obstore module, or None where it is not installed (looked for once: it was four
+    imports per GET)."""
     try:
         importlib.import_module("obstore.store")
         return importlib.import_module("obstore")
@@ -139,7 +144,7 @@ def readable(key: str) -> bool:
     segments and control characters, and drops a trailing ``/`` (such keys take the s3fs path)."""
     if any(part in ("", ".", "..") for part in key.split("/")):
         return False
-    return not any(ord(ch) < 0x20 or ch == "\x7f" for ch in key)
+    return _CONTROL.search(key) is None
 
 
 class ObstoreStore:
@@ -152,13 +157,17 @@ class ObstoreStore:
         self, general: Callable[[], S3Store], options: Mapping[str, Any], options_key: str
     ) -> None:
         self._make_general, self.options, self.options_key = general, options, options_key
+        self._buckets: dict[tuple[int, str], Any] = {}  # clients by (process, bucket)
 
     @functools.cached_property
     def general(self) -> S3Store:
         return self._make_general()
 
     def _store(self, bucket: str) -> Any | None:
-        return _bucket_store(bucket, self.options, self.options_key)
+        key = (os.getpid(), bucket)  # a client does not cross a fork
+        if key not in self._buckets:
+            self._buckets[key] = _bucket_store(bucket, self.options, self.options_key)
+        return self._buckets[key]
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
