@@ -101,6 +101,40 @@ def _floor_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
     return batches
 
 
+def _mapped_epoch(path: Path, n: int, checked: bool) -> Callable[[], Iterable[Any]]:
+    """The floor's entries copied out of a map of their file kept for the process (no
+    ``preadv``), their CRC32C checked straight from the map or not at all: what a reader of
+    mapped entries would reach with nothing else to do. Not fastload's guarantees: a map kept
+    open adds the entries read to the process's PSS, a file cut short under it kills the
+    process (SIGBUS), and unchecked bytes go unseen when they rot."""
+    size = int(np.prod(SHAPE))
+    length = _HEAD + size + _TAIL
+    index = {hashlib.sha256(_name(i)).digest(): i * length for i in range(n)}
+    mapped = np.memmap(path, np.uint8, "r")
+    rows = np.empty((BATCH, size), np.uint8)
+    rng = np.random.default_rng(0)
+
+    def batch(indices: list[int]) -> torch.Tensor:
+        for r, i in enumerate(indices):
+            key = hashlib.sha256(_name(i)).digest()
+            at = index[key]
+            entry = mapped[at : at + length]
+            if entry[:32].tobytes() != key:
+                raise AssertionError(f"mapped: entry {i} is not its sample's")
+            if checked and crc32c(entry[: length - _TAIL].data) != int.from_bytes(
+                entry[length - _TAIL :].tobytes(), "little"
+            ):
+                raise AssertionError(f"mapped: entry {i} fails its checksum")
+            rows[r] = entry[_HEAD : _HEAD + size]
+        return torch.from_numpy(rows[: len(indices)]).view(-1, *SHAPE)
+
+    def batches() -> Iterable[Any]:
+        order = rng.permutation(n).tolist()
+        return (batch(order[s : s + BATCH]) for s in range(0, n, BATCH))
+
+    return batches
+
+
 def _memmap_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
     array = np.load(path, mmap_mode="r")
     rng = np.random.default_rng(0)
@@ -141,6 +175,10 @@ def limit_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
         readers["floor: one preadv and CRC32C per entry, nothing else"] = _floor_epoch(
             folder / "entries", n
         )
+        for checked, name in ((True, "CRC32C from the map"), (False, "no checks")):
+            readers[f"mapped entries: copied out of a kept map, {name}"] = _mapped_epoch(
+                folder / "entries", n, checked
+            )
         dataset = RemoteDataset(
             f"file://{folder}/objects", decode="npy", cache=Cache(folder / "cache", format="npy")
         )

@@ -82,7 +82,8 @@ def test_small_sample_benchmark_fills_reads_and_weighs_the_cache() -> None:
 def test_limit_benchmark_compares_warm_epochs_with_a_memmap() -> None:
     rows = limit.limit_rows(300, 1, progress=lambda _: None)
     assert rows[1]["reader"].startswith("floor")
-    assert [row["reader"].split(",")[-1] for row in rows[2:]] == [
+    assert [row["reader"].split(":")[0] for row in rows[2:4]] == ["mapped entries"] * 2
+    assert [row["reader"].split(",")[-1] for row in rows[4:]] == [
         " 0 workers",
         " 2 workers",
         " 4 workers",
