@@ -21,6 +21,7 @@ entries written side by side in one file). fastload's warm path is that plus its
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import statistics
 import tempfile
@@ -73,32 +74,45 @@ def _write_entries(path: Path, n: int) -> None:
             out.write(head + blob + crc32c(blob, crc32c(head)).to_bytes(_TAIL, "little"))
 
 
-def _floor_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
-    size = int(np.prod(SHAPE))
-    length = _HEAD + size + _TAIL
-    index = {hashlib.sha256(_name(i)).digest(): i * length for i in range(n)}
-    fd = os.open(path, os.O_RDONLY)
-    rows = np.empty((BATCH, size), np.uint8)
-    heads, tails = memoryview(bytearray(BATCH * _HEAD)), memoryview(bytearray(BATCH * _TAIL))
-    flat = rows.reshape(-1).data
-    rng = np.random.default_rng(0)
+_SIZE = int(np.prod(SHAPE))
+_ENTRY = _HEAD + _SIZE + _TAIL
 
-    def batch(indices: list[int]) -> torch.Tensor:
-        for r, i in enumerate(indices):
-            key = hashlib.sha256(_name(i)).digest()
-            head, tail = heads[r * _HEAD : (r + 1) * _HEAD], tails[r * _TAIL : (r + 1) * _TAIL]
-            row = flat[r * size : (r + 1) * size]
-            if os.preadv(fd, [head, row, tail], index[key]) != length or head[:32] != key:
-                raise AssertionError(f"floor: entry {i} is not its sample's")
-            if crc32c(row, crc32c(head)) != int.from_bytes(tail, "little"):
-                raise AssertionError(f"floor: entry {i} fails its checksum")
-        return torch.from_numpy(rows[: len(indices)]).view(-1, *SHAPE)
+
+def _offsets(n: int) -> dict[bytes, int]:
+    """Where each sample's entry starts in the entries file, by its name's digest."""
+    return {hashlib.sha256(_name(i)).digest(): i * _ENTRY for i in range(n)}
+
+
+def _shuffled(batch: Callable[[list[int]], torch.Tensor], n: int) -> Callable[[], Iterable[Any]]:
+    """An epoch of ``batch`` over a new shuffled order each time it is called."""
+    rng = np.random.default_rng(0)
 
     def batches() -> Iterable[Any]:
         order = rng.permutation(n).tolist()
         return (batch(order[s : s + BATCH]) for s in range(0, n, BATCH))
 
     return batches
+
+
+def _floor_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
+    index = _offsets(n)
+    fd = os.open(path, os.O_RDONLY)
+    rows = np.empty((BATCH, _SIZE), np.uint8)
+    heads, tails = memoryview(bytearray(BATCH * _HEAD)), memoryview(bytearray(BATCH * _TAIL))
+    flat = rows.reshape(-1).data
+
+    def batch(indices: list[int]) -> torch.Tensor:
+        for r, i in enumerate(indices):
+            key = hashlib.sha256(_name(i)).digest()
+            head, tail = heads[r * _HEAD : (r + 1) * _HEAD], tails[r * _TAIL : (r + 1) * _TAIL]
+            row = flat[r * _SIZE : (r + 1) * _SIZE]
+            if os.preadv(fd, [head, row, tail], index[key]) != _ENTRY or head[:32] != key:
+                raise AssertionError(f"floor: entry {i} is not its sample's")
+            if crc32c(row, crc32c(head)) != int.from_bytes(tail, "little"):
+                raise AssertionError(f"floor: entry {i} fails its checksum")
+        return torch.from_numpy(rows[: len(indices)]).view(-1, *SHAPE)
+
+    return _shuffled(batch, n)
 
 
 def _mapped_epoch(path: Path, n: int, checked: bool) -> Callable[[], Iterable[Any]]:
@@ -107,32 +121,26 @@ def _mapped_epoch(path: Path, n: int, checked: bool) -> Callable[[], Iterable[An
     mapped entries would reach with nothing else to do. Not fastload's guarantees: a map kept
     open adds the entries read to the process's PSS, a file cut short under it kills the
     process (SIGBUS), and unchecked bytes go unseen when they rot."""
-    size = int(np.prod(SHAPE))
-    length = _HEAD + size + _TAIL
-    index = {hashlib.sha256(_name(i)).digest(): i * length for i in range(n)}
-    mapped = np.memmap(path, np.uint8, "r")
-    rows = np.empty((BATCH, size), np.uint8)
-    rng = np.random.default_rng(0)
+    index = _offsets(n)
+    with path.open("rb") as file:
+        mapped = memoryview(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ))
+    rows = np.empty((BATCH, _SIZE), np.uint8)
+    flat = rows.reshape(-1).data
 
     def batch(indices: list[int]) -> torch.Tensor:
         for r, i in enumerate(indices):
             key = hashlib.sha256(_name(i)).digest()
             at = index[key]
-            entry = mapped[at : at + length]
-            if entry[:32].tobytes() != key:
+            entry = mapped[at : at + _ENTRY]
+            if entry[:32] != key:
                 raise AssertionError(f"mapped: entry {i} is not its sample's")
-            if checked and crc32c(entry[: length - _TAIL].data) != int.from_bytes(
-                entry[length - _TAIL :].tobytes(), "little"
-            ):
+            crc = int.from_bytes(entry[_ENTRY - _TAIL :], "little")
+            if checked and crc32c(entry[: _ENTRY - _TAIL]) != crc:
                 raise AssertionError(f"mapped: entry {i} fails its checksum")
-            rows[r] = entry[_HEAD : _HEAD + size]
+            flat[r * _SIZE : (r + 1) * _SIZE] = entry[_HEAD : _HEAD + _SIZE]
         return torch.from_numpy(rows[: len(indices)]).view(-1, *SHAPE)
 
-    def batches() -> Iterable[Any]:
-        order = rng.permutation(n).tolist()
-        return (batch(order[s : s + BATCH]) for s in range(0, n, BATCH))
-
-    return batches
+    return _shuffled(batch, n)
 
 
 def _memmap_epoch(path: Path, n: int) -> Callable[[], Iterable[Any]]:
