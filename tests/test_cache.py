@@ -1450,3 +1450,23 @@ def test_processes_making_one_new_cache_at_once_all_open_it(tmp_path: Path) -> N
         for proc in procs:
             proc.join(timeout=60)
     assert failures == []
+
+
+def test_a_read_only_cache_opened_while_another_process_makes_it_reads_as_empty(
+    tmp_path: Path,
+) -> None:
+    """A process making a cache writes its marker first, then its subfolders: a read-only
+    cache opened in between (a reader polling a cache warm-cache is making) was refused as if
+    ``locks`` were a symlink. It reads as empty; a file where a subfolder belongs is refused."""
+    maker = Cache(tmp_path / "made", format="npy")
+    root = tmp_path / "being-made"
+    root.mkdir(mode=0o700)
+    shutil.copy(maker.root / "fastload-cache.json", root / "fastload-cache.json")
+    reader = Cache(root, format="npy", read_only=True)
+    assert len(reader) == 0 and reader.get("sample") is None and "sample" not in reader
+    Cache(root, format="npy").put("sample", np.arange(10))  # the maker goes on
+    np.testing.assert_array_equal(reader.get("sample"), np.arange(10))
+    (maker.root / "locks").rmdir()
+    (maker.root / "locks").write_bytes(b"")
+    with pytest.raises(CacheError, match="not a folder"):
+        Cache(maker.root, format="npy", read_only=True)

@@ -316,9 +316,12 @@ class Cache:
 
     def _check_subdirs(self) -> None:
         """entries/, locks/, tmp/, segments/ and index/ must be real folders: the cache deletes
-        inside them, and a symlink would lead it out of its root."""
+        inside them, and a symlink would lead it out of its root. A read-only cache may lack
+        any of them (the process making the cache writes its marker first, then makes them:
+        nothing is in them yet); others may lack those an earlier version did not make."""
         for sub in _SUBDIRS:
-            if sub in _NEWER_SUBDIRS and not os.path.lexists(self.root / sub):
+            missing = not os.path.lexists(self.root / sub)
+            if missing and (self.read_only or sub in _NEWER_SUBDIRS):
                 continue
             if not _real_dir(self.root / sub):
                 raise CacheError(
