@@ -1470,3 +1470,20 @@ def test_a_read_only_cache_opened_while_another_process_makes_it_reads_as_empty(
     (maker.root / "locks").write_bytes(b"")
     with pytest.raises(CacheError, match="not a folder"):
         Cache(maker.root, format="npy", read_only=True)
+
+
+def test_a_removal_another_process_recorded_is_seen_by_a_look_at_the_cache(
+    tmp_path: Path,
+) -> None:
+    """A process that had read an entry kept it as known: after another process deleted it,
+    ``in`` still said it was there (a DataLoader worker that fills the cache then skipped
+    making it, and the loop's process made it again). A look brings the index up to date."""
+    writer, reader = Cache(tmp_path, format="npy"), Cache(tmp_path, format="npy")
+    names = [f"s3://bucket/sample-{i}" for i in range(40)]  # every index shard, some twice
+    for name in names:
+        writer.put(name, np.full(3, len(name)))
+    assert all(reader.get(name) is not None for name in names)  # all known to the reader now
+    for name in names[::3]:
+        assert writer.delete(name)
+    assert reader.contains_many(names) == [i % 3 != 0 for i in range(len(names))]
+    assert [name in reader for name in names[:6]] == [False, True, True, False, True, True]

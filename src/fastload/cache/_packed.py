@@ -176,11 +176,17 @@ class Packed:
                 out[i] = found
         return out
 
-    def _find_all(self, digests: Sequence[str]) -> list[Where | None]:
+    def _find_all(self, digests: Sequence[str], fresh: bool = False) -> list[Where | None]:
         """:meth:`find` for each digest, each index shard re-read at most once (the caller
-        holds the lock)."""
+        holds the lock). ``fresh``: each shard is brought up to date first (a ``stat`` when
+        nothing was appended), so that a removal another process recorded is seen even for
+        a digest this process knows; else a known digest is taken as it is."""
         places: list[Where | None] = []
         refreshed: set[str] = set()
+        if fresh:
+            refreshed = {digest[: self.width] for digest in digests}
+            for shard in refreshed:
+                self._refresh(shard)
         for digest in digests:
             shard, key = digest[: self.width], bytes.fromhex(digest)
             known = self._known.get(shard)
@@ -242,9 +248,10 @@ class Packed:
 
     def holds(self, digests: Sequence[str]) -> list[bool]:
         """Whether the index has each digest and its segment is there (each index shard and
-        segment looked at once)."""
+        segment looked at once, the shards brought up to date: what another process removed
+        is not said to be there)."""
         with self._guard():
-            places = self._find_all(digests)
+            places = self._find_all(digests, fresh=True)
         there = {
             segment: os.path.exists(self._segment_path(segment))
             for segment in {where.segment for where in places if where is not None}
