@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -81,3 +82,15 @@ def assert_identities(dataset: RemoteDataset, indices: list[int]) -> None:
     samples = [dataset.source[i] for i in indices]
     expected = [(s.url, s.version, s.label) for s in samples]
     assert dataset.source.identities(indices) == expected
+
+
+def in_forked_child(call: Callable[[], Any]) -> Any:
+    """What ``call()`` returns in a child forked from this process (state a fork must not
+    carry over: clients, clocks, handles)."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=lambda: queue.put(call()))
+    child.start()
+    result = queue.get(timeout=60)
+    child.join(60)
+    return result

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import multiprocessing
 import os
 import tarfile
 import threading
@@ -33,7 +32,7 @@ from fastload import (
 from fastload.stall import DATA_BOUND_ABOVE, StallReport, _write_time, batch_size_of
 from fastload.stats import QUEUE_KNOWN, CacheStats, thread_times
 from fastload.testing import FaultProxy, Faults, S3Server, free_port
-from tests.conftest import BUCKET
+from tests.conftest import BUCKET, in_forked_child
 from tests.test_dataset import upload
 
 Pair = namedtuple("Pair", ["x", "y"])
@@ -279,10 +278,6 @@ def test_the_cache_write_time_is_split_into_cpu_queue_and_blocked(
     assert thread_times()[0] > start[0]
 
 
-def _child_thread_times(out: Any) -> None:
-    out.put(thread_times()[0])
-
-
 def test_thread_times_are_the_calling_threads_own_in_another_thread_and_after_a_fork() -> None:
     """The write-time split reads the thread's schedstat at every write batch; opening it each
     time cost 10 µs, a quarter of a small ``Cache.put``, so each thread keeps it open. Kept
@@ -295,12 +290,7 @@ def test_thread_times_are_the_calling_threads_own_in_another_thread_and_after_a_
     other.start()
     other.join()
     assert found[0] < mine  # a new thread's clock, not this one's
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child_thread_times, args=(queue,))
-    child.start()
-    theirs = queue.get(timeout=60)
-    child.join(60)
+    theirs = in_forked_child(lambda: thread_times()[0])
     assert theirs < mine  # the child's own thread, which has just started
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import multiprocessing as mp
 import pickle
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from fastload.errors import (
 )
 from fastload.stores import SCHEMES, Kind, _Backend, classify, filesystem, parse_url, translate
 from fastload.testing import B2Server, FaultProxy, Faults
-from tests.conftest import BUCKET
+from tests.conftest import BUCKET, in_forked_child
 
 
 @pytest.mark.parametrize(
@@ -73,27 +72,14 @@ def test_filesystems_are_cached_per_scheme_and_options() -> None:
     assert filesystem("s3://a", {"anon": True}) is not filesystem("s3://a", {"anon": False})
 
 
-def _child_filesystem_id(queue: Any) -> None:
-    queue.put(id(filesystem("s3://bucket", {"anon": True})))
-
-
 def test_a_forked_child_gets_its_own_filesystem() -> None:
     parent = filesystem("s3://bucket", {"anon": True})
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child_filesystem_id, args=(queue,))
-    child.start()
-    child_id = queue.get(timeout=60)
-    child.join(60)
+    child_id = in_forked_child(lambda: id(filesystem("s3://bucket", {"anon": True})))
     # The parent's object is inherited at the same address; the child must build a new one.
     assert child_id != id(parent)
 
 
 _OBSTORE_OPTIONS = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}
-
-
-def _child_obstore_client(store: Any, queue: Any) -> None:
-    queue.put(store._store("bucket") is None)
 
 
 def test_an_obstore_client_made_in_the_parent_is_not_used_in_a_forked_child() -> None:
@@ -102,13 +88,8 @@ def test_an_obstore_client_made_in_the_parent_is_not_used_in_a_forked_child() ->
 
     store = open_store(parse_url("s3://bucket/x"), _OBSTORE_OPTIONS)
     assert store._store("bucket") is not None  # type: ignore[attr-defined]
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child_obstore_client, args=(store, queue))
-    child.start()
     # its runtime does not survive the fork: the child takes the s3fs path, not this client
-    assert queue.get(timeout=60) is True
-    child.join(60)
+    assert in_forked_child(lambda: store._store("bucket") is None) is True  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
