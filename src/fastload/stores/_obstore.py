@@ -157,17 +157,13 @@ class ObstoreStore:
         self, general: Callable[[], S3Store], options: Mapping[str, Any], options_key: str
     ) -> None:
         self._make_general, self.options, self.options_key = general, options, options_key
-        self._buckets: dict[tuple[int, str], Any] = {}  # clients by (process, bucket)
 
     @functools.cached_property
     def general(self) -> S3Store:
         return self._make_general()
 
     def _store(self, bucket: str) -> Any | None:
-        key = (os.getpid(), bucket)  # a client does not cross a fork
-        if key not in self._buckets:
-            self._buckets[key] = _bucket_store(bucket, self.options, self.options_key)
-        return self._buckets[key]
+        return _bucket_store(bucket, self.options, self.options_key)
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
