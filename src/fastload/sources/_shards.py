@@ -80,6 +80,8 @@ class Shards:
         for entry, index in zip(found, self._indexes(found, fetcher, cache, stored), strict=True):
             if isinstance(index, BaseException):
                 self._bad(entry, str(index), index)
+            elif (fault := self._fault(entry, index)) is not None:
+                self._bad(entry, str(fault), fault)
             else:
                 indexes.append((entry, index))
         self._check_across(indexes)
@@ -115,6 +117,11 @@ class Shards:
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def _fault(self, shard: Entry, index: dict[str, np.ndarray]) -> ShardError | None:
+        """What a shard's index, made now or kept by an earlier fastload (which may have checked
+        less when it made it), shows to be wrong with the shard, or None."""
+        return None
 
     def _check_across(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
         """What only all the shards' indexes together can show to be wrong (before ``_add``)."""

@@ -65,7 +65,8 @@ class ParquetShards(Shards):
         self.row_key = row_key
         self.columns = _chosen(columns)
         self.index_version = INDEX_VERSION + ("" if row_key is None else f"|runs of {row_key}")
-        self._footers: list[bytes] = []  # per shard
+        # by shard (its position in ``shards``): a file left out has none, and moves no other's
+        self._footers: dict[int, bytes] = {}
         self._groups: list[list[int]] = []  # per chunk: its row groups
         self._rows_before: list[int] = []  # per chunk: rows of its shard before it
         self._runs: list[tuple[int, int]] = []  # with row_key, per sample: its rows in its chunk
@@ -207,7 +208,7 @@ class ParquetShards(Shards):
         if missing:
             self._bad(entry, f"no column {missing[0]!r} to read (columns: {names})")
             return
-        self._footers.append(footer)
+        self._footers[shard] = footer
         runs = index.get("runs")
         keys = None if runs is None else Strings(index["key_blob"], index["key_ends"]).tolist()
         starts = set() if runs is None else set(runs.tolist())

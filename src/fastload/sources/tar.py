@@ -13,7 +13,9 @@ Indexing a shard reads its headers with ranged reads that hop over large members
 ones in stride (a few requests per shard of small samples); the index is kept in the dataset's
 cache by the shard's version, so a restart reads none of it again. Reading a sample checks its
 first header against the index: a shard rewritten since it was indexed is an error, never a
-wrong sample.
+wrong sample. A shard cut short (inside a member, inside a header or between two samples: a tar
+ends with its end-of-archive marker) or with a damaged header is an error too, never a shard of
+fewer samples.
 """
 
 from __future__ import annotations
@@ -73,6 +75,25 @@ class TarShards(Shards):
         if prefix:
             self._seeds[shard.url] = prefix
         return index
+
+    def _fault(self, shard: Entry, index: dict[str, np.ndarray]) -> ShardError | None:
+        """A shard with no room for the end-of-archive marker after its last member: cut short.
+        Indexing checks more (:func:`_check_end`); this is what an index made before it did (and
+        kept in a cache or a saved manifest) still shows of a shard cut between two samples or
+        inside a header."""
+        names = Strings(index["name_blob"], index["name_ends"])
+        if not len(names):
+            return None
+        end = int(index["data"][-1]) + max(0, int(index["size"][-1]))
+        end = -(-end // _BLOCK) * _BLOCK  # a member's bytes fill whole blocks
+        if end + _BLOCK <= shard.size:
+            return None
+        return ShardError(
+            f"truncated: it stops at byte {shard.size}, with no end-of-archive marker after "
+            f"member {names[len(names) - 1]!r} (which ends at byte {end}): its samples from "
+            "there on are lost",
+            url=shard.url,
+        )
 
     def _add_all(self, indexes: list[tuple[Entry, dict[str, np.ndarray]]]) -> None:
         """Every shard's samples, counting each set of extensions; under incomplete="skip",
@@ -245,6 +266,7 @@ def _read_headers(
                 data.append(member.offset_data)
                 size.append(-1 if link else member.size)
                 crc.append(0 if link else zlib.crc32(file.peek(member.offset, _BLOCK)))
+            _check_end(shard, tar.offset, file.peek(tar.offset, _BLOCK), names)
     except tarfile.TarError as exc:
         at = f" after member {names[-1]!r}" if names else ""
         raise ShardError(f"not a readable tar{at} ({exc})", url=shard.url) from exc
@@ -258,6 +280,31 @@ def _read_headers(
         "crc": np.asarray(crc, np.int64),
     }
     return index, file.pieces[0] if len(file.pieces) == 1 else b"".join(file.pieces)
+
+
+def _check_end(shard: Entry, offset: int, block: bytes, names: list[str]) -> None:
+    """Where tarfile stopped (``offset``, the next header's place, whose first bytes are
+    ``block``) must be the end-of-archive marker, a block of zeros: tarfile stops without a word
+    at a header cut short, at the end of the bytes and at a corrupt header, so a shard cut
+    between two samples or inside a header, or with a damaged header, would lose the samples
+    after that point without an error."""
+    if block == bytes(_BLOCK):
+        return
+    after = f" after member {names[-1]!r}" if names else ""
+    if not block:
+        why = f"it stops at byte {offset}{after}, with no end-of-archive marker"
+    elif len(block) < _BLOCK:
+        why = (
+            f"it stops {len(block)} bytes into the block at byte {offset}{after}, where the next "
+            "header or the end-of-archive marker belongs"
+        )
+    else:
+        raise ShardError(
+            f"not a readable tar: the block at byte {offset}{after} is neither a header nor the "
+            f"end-of-archive marker (the {shard.size - offset} bytes from there on cannot be read)",
+            url=shard.url,
+        )
+    raise ShardError(f"truncated: {why} (its samples from there on are lost)", url=shard.url)
 
 
 def _check_regular(member: tarfile.TarInfo, shard: Entry) -> None:
