@@ -312,3 +312,39 @@ def test_shutdown_stops_the_pools_and_the_next_use_starts_afresh(
     assert not any(t.name.startswith("fastload-fetch") for t in threading.enumerate())
     assert all("0 items" in repr(registry) for registry in _registries)
     assert fetcher.fetch(urls[-3:]) == bodies[-3:]  # created again on the next use
+
+
+# S3 (obstore, then s3fs), GCS and B2: a server that answers more bytes than a range asked for
+@pytest.mark.parametrize(
+    ("server_name", "flavor", "scheme", "fast_path"),
+    [
+        ("seaweed", "s3", "s3", True),
+        ("seaweed", "s3", "s3", False),
+        ("gcs", "gcs", "gs", True),
+        ("b2", "b2", "b2", True),
+    ],
+)
+def test_a_range_answered_with_more_bytes_than_asked_is_retried_never_used(
+    request: pytest.FixtureRequest, server_name: str, flavor: str, scheme: str, fast_path: bool
+) -> None:
+    server = request.getfixturevalue(server_name)
+    url = f"{scheme}://{BUCKET}/overlong-{uuid.uuid4().hex[:8]}/a.bin"
+    body = os.urandom(300)
+    filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
+    with FaultProxy(server.endpoint, flavor=flavor) as proxy:
+        fetcher = Fetcher(
+            server.storage_options(proxy.endpoint),
+            FetchConfig(retries=2, outage_budget=0, backoff=0.01, fast_path=fast_path),
+        )
+        proxy.set_faults(Faults(overlong=1.0, methods=("GET",)))
+        with pytest.raises(TransientStoreError) as info:
+            fetcher.fetch([Request(url, start=0, end=100)])
+        assert info.value.url == url
+        assert "164 bytes" in str(info.value)
+        # every other answer overlong: the retried read gives exactly the bytes asked for
+        proxy.set_faults(Faults(overlong=0.5, methods=("GET",), seed=3))
+        got = fetcher.fetch([Request(url, start=s, end=s + 100) for s in (0, 50, 200)] * 4)
+        assert got == [body[s : s + 100] for s in (0, 50, 200)] * 4
+        assert proxy.counters()["overlong"] > 0
+        tail = fetcher.fetch([Request(url, start=-40)] * 4)
+        assert tail == [body[-40:]] * 4

@@ -7,6 +7,8 @@ import logging
 import os
 import pickle
 import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,10 +21,11 @@ import torch.multiprocessing as mp
 
 from fastload._select import expand_braces, literal_prefixes
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
+from fastload.errors import ConfigError, ObjectNotFoundError, StoreError, TransientStoreError
 from fastload.manifest import Manifest, Strings
 from fastload.testing import FaultProxy, Faults, free_port
 from tests.conftest import BUCKET, write
+from tests.misbehaving import misbehaving_s3
 
 
 def synthetic(n: int, root: str = "s3://bucket/data") -> Manifest:
@@ -626,3 +629,46 @@ def test_a_batch_of_keys_and_versions_is_picked_as_one_by_one() -> None:
     strings = Strings.of(items)
     for indices in ([5, 0, 3, 3, 1, 4, 2], [0], [], np.arange(6)[::-1].tolist()):
         assert strings.pick(indices) == [strings[i] for i in indices] == [items[i] for i in indices]
+
+
+# -- a server that would be listed forever -------------------------------------------------
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_listing_whose_token_repeats_forever_ends_with_a_store_error(
+    parallel: bool, fast_path: bool
+) -> None:
+    """IsTruncated=true with the same token on every page: before, 9,000 pages in 15 s and
+    memory growing, on both the parallel and the one-chain path."""
+    config = FetchConfig(fast_path=fast_path, timeout=5, retries=1)
+    with misbehaving_s3("same-page") as server:
+        with pytest.raises(StoreError, match=r"after 2 pages.*never end.*: data/"):
+            Manifest.build(
+                "s3://bkt/data",
+                storage_options=server.storage_options(),
+                parallel=parallel,
+                fetch_config=config,
+            )
+        assert server.requests <= 4
+
+
+CLI = "import sys, fastload._cli as c; sys.exit(c.main())"
+
+
+def test_fastload_ls_of_a_store_that_never_answers_ends_within_the_listing_policy() -> None:
+    """Every page request gets FASTLOAD_FETCH_TIMEOUT, and a store that never answered is
+    given up after FASTLOAD_FETCH_RETRIES: `fastload ls` ends, naming the URL."""
+    env = {**os.environ, "FASTLOAD_FETCH_TIMEOUT": "2", "FASTLOAD_FETCH_RETRIES": "1"}
+    with misbehaving_s3("stall") as server:
+        options = [f"-o{k}={json.dumps(v)}" for k, v in server.storage_options().items()]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", CLI, "ls", "s3://bkt/data", *options],
+            capture_output=True, text=True, timeout=120, env=env, check=False,
+        )  # fmt: skip
+        took = time.monotonic() - started
+    assert done.returncode != 0
+    assert "s3://bkt/data" in done.stderr and "Traceback" not in done.stderr
+    # two attempts of 2 s each, plus the process's start: far from the 7 minutes of the defaults
+    assert took < 60, took

@@ -33,7 +33,7 @@ from fastload.stores import (
     storage_options_of,
     translate,
 )
-from fastload.stores._base import Patience
+from fastload.stores._base import Patience, http_range
 from fastload.stores._retry import retrying
 
 __all__ = ["Fetcher", "Request", "fetch"]
@@ -353,16 +353,40 @@ class Fetcher:
                 f"the store now serves {body.served[0]!r})",
                 url=url,
             )
-        expected = request.expected_length()
-        if expected is not None and len(body.data) != expected:
-            raise TransientStoreError(
-                f"truncated body ({len(body.data)} of {expected} bytes)", url=url
-            )
+        _check_length(request, len(body.data))
         self.counters.latency.add(time.perf_counter() - started)
         self._last_ok = max(self._last_ok, sent)
         if len(body.data):
             self._last_ok_target = target
         return body.data
+
+
+def _check_length(request: Request, received: int) -> None:
+    """A body of the length asked for: exactly it where the object's size is known, else at
+    most the range's length (a range that runs past the object's end comes back shorter). A
+    server that answers more than was asked (a proxy ignoring ``Range``'s end) is a transient
+    error, retried like a truncated body, never bytes of someone else's range."""
+    expected = request.expected_length()
+    if expected is not None and received < expected:
+        raise TransientStoreError(
+            f"truncated body ({received} of {expected} bytes)", url=request.url
+        )
+    span = request.span
+    most = (
+        span.length
+        if isinstance(span, Suffix)
+        else None
+        if span.end is None
+        else span.end - span.start
+    )
+    if expected is not None:
+        most = expected
+    if most is not None and received > most:
+        raise TransientStoreError(
+            f"the store answered {received} bytes for a range of {most} "
+            f"({http_range(span).get('Range', 'the whole object')})",
+            url=request.url,
+        )
 
 
 def fetch(

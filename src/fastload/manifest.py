@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import IO, Any, TypeVar, overload
 
 import fsspec.asyn
 import numpy as np
@@ -277,14 +277,20 @@ class Manifest(Sequence[Entry]):
         url, pattern = _with_pattern(url, pattern)
         root = parse_url(url)
         store = open_store(root, storage_options)
-        lister = store.lister(root.bucket) if parallel else None
+        lister = store.lister(root.bucket)
         try:
             if lister is not None:
                 prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
                 scopes = [prefix + start for start in literal_prefixes(pattern)]  # not all
                 loop = fsspec.asyn.get_loop()
                 found = fsspec.asyn.sync(
-                    loop, _list_scopes, lister, scopes, concurrency=concurrency, config=config
+                    loop,
+                    _list_scopes,
+                    lister,
+                    scopes,
+                    concurrency=concurrency if parallel else 1,
+                    config=config,
+                    split=parallel,
                 )
                 listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
             else:  # the store's find in one call, retried whole as a page would be
@@ -499,6 +505,24 @@ class Manifest(Sequence[Entry]):
         target = Path(path)
         if target.is_dir():
             raise ConfigError(f"Manifest.save needs a file path, got a folder: {target}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                self._write(out)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def to_bytes(self) -> bytes:
+        """The manifest as :meth:`save` writes it (the .npz file's bytes); :meth:`from_bytes`
+        reads it back."""
+        out = io.BytesIO()
+        self._write(out)
+        return out.getvalue()
+
+    def _write(self, out: IO[bytes]) -> None:
         meta = {
             "format": FORMAT,
             "root": self.root,
@@ -528,15 +552,7 @@ class Manifest(Sequence[Entry]):
             arrays["group_left_out_ends"] = self.grouping.left_out.ends
         if self.shard_indexes is not None:
             arrays.update(_shard_index_arrays(self.shard_indexes))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, url: str | None = None) -> Manifest:
@@ -546,15 +562,7 @@ class Manifest(Sequence[Entry]):
         A file that is missing raises ``FileNotFoundError``; one that is empty, truncated,
         foreign or damaged raises :class:`ConfigError` naming it.
         """
-        try:
-            manifest, meta = cls._read(Path(path))
-        except (ConfigError, FileNotFoundError):
-            raise
-        except Exception as exc:  # zip, numpy and JSON each fail in their own way
-            reason = f"{type(exc).__name__}: {exc}"[:200]
-            raise ConfigError(f"not a readable fastload manifest: {path} ({reason})") from exc
-        if manifest.fingerprint != meta.get("fingerprint"):
-            raise ConfigError(f"manifest is corrupt (fingerprint mismatch): {path}")
+        manifest = cls._parsed(Path(path), path)
         if url is not None:
             root, pattern = split_pattern(url)
             other = pattern is not None and pattern != manifest.pattern
@@ -566,14 +574,36 @@ class Manifest(Sequence[Entry]):
         return manifest
 
     @classmethod
-    def _read(cls, path: Path) -> tuple[Manifest, dict[str, Any]]:
+    def from_bytes(cls, data: bytes, *, name: str = "manifest bytes") -> Manifest:
+        """A manifest from :meth:`to_bytes`; bytes that are truncated, foreign or damaged raise
+        :class:`ConfigError` naming ``name`` (nothing in them is unpickled)."""
+        return cls._parsed(data, name)
+
+    @classmethod
+    def _parsed(cls, source: Path | bytes, name: str | os.PathLike[str]) -> Manifest:
+        try:
+            manifest, meta = cls._read(source, name)
+        except (ConfigError, FileNotFoundError):
+            raise
+        except Exception as exc:  # zip, numpy and JSON each fail in their own way
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+            raise ConfigError(f"not a readable fastload manifest: {name} ({reason})") from exc
+        if manifest.fingerprint != meta.get("fingerprint"):
+            raise ConfigError(f"manifest is corrupt (fingerprint mismatch): {name}")
+        return manifest
+
+    @classmethod
+    def _read(
+        cls, source: Path | bytes, name: str | os.PathLike[str]
+    ) -> tuple[Manifest, dict[str, Any]]:
         # numpy leaves its own handle open when a zip is damaged: open the file here
-        with path.open("rb") as file, np.load(file, allow_pickle=False) as data:
+        opened = source.open("rb") if isinstance(source, Path) else io.BytesIO(source)
+        with opened as file, np.load(file, allow_pickle=False) as data:
             if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ConfigError(f"not a {FORMAT} file (a bare array): {path}")
+                raise ConfigError(f"not a {FORMAT} file (a bare array): {name}")
             meta = json.loads(data["meta"].tobytes())
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise ConfigError(f"not a {FORMAT} file: {path}")
+                raise ConfigError(f"not a {FORMAT} file: {name}")
             manifest = cls(
                 meta["root"],
                 Strings(data["key_blob"], data["key_ends"]),
@@ -618,13 +648,16 @@ def _with_pattern(url: str, pattern: str | None) -> tuple[str, str | None]:
 
 
 async def _list_scopes(
-    lister: PageLister, scopes: list[str], *, concurrency: int, config: FetchConfig
+    lister: PageLister, scopes: list[str], *, concurrency: int, config: FetchConfig, split: bool
 ) -> list[Listed]:
     """Every key under each of ``scopes`` (none a prefix of another), sorted; the listings run
     at once and share ``concurrency``."""
     share = max(1, concurrency // len(scopes))
     parts = await asyncio.gather(
-        *(list_parallel(lister, scope, concurrency=share, config=config) for scope in scopes)
+        *(
+            list_parallel(lister, scope, concurrency=share, config=config, split=split)
+            for scope in scopes
+        )
     )
     return sorted((entry for part in parts for entry in part), key=lambda entry: entry.key)
 

@@ -14,6 +14,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,7 @@ class Downloads:
             try:
                 if response.status in (200, 206):
                     data = await _body(response, patience)
-                    return _checked(response, data, whole="Range" not in headers, url=url)
+                    return _checked(response, data, span if "Range" in headers else None, url)
                 code, message = await _error(response)
             finally:
                 response.release()
@@ -101,14 +102,34 @@ async def _body(response: aiohttp.ClientResponse, patience: Patience) -> bytes:
     return b"".join(await progressing(chunk, patience.timeout, EOFError))
 
 
-def _checked(response: aiohttp.ClientResponse, data: bytes, *, whole: bool, url: str) -> Body:
-    """The body with what B2 says it is; a whole object must match its SHA-1 (b2sdk checked
-    it too: a body damaged on the way is retried, never used)."""
+def _checked(response: aiohttp.ClientResponse, data: bytes, span: Span | None, url: str) -> Body:
+    """The body with what B2 says it is. A whole object (``span`` None) must match its SHA-1
+    (b2sdk checked it too: a body damaged on the way is retried, never used); a range must be
+    the one asked for, as its Content-Range says."""
     sha1 = response.headers.get("x-bz-content-sha1", "").removeprefix("unverified:")
-    if whole and sha1 not in ("", "none") and hashlib.sha1(data).hexdigest() != sha1:
+    if span is None and sha1 not in ("", "none") and hashlib.sha1(data).hexdigest() != sha1:
         raise TransientStoreError("the body does not match its SHA-1", url=url)
+    answered = response.headers.get("Content-Range")
+    if span is not None and answered is not None:
+        _check_range(answered, span, len(data), url)
     file_id = response.headers.get("x-bz-file-id", "")
     return Body(data, tuple(v for v in (file_id, sha1) if v and v != "none"))
+
+
+def _check_range(answered: str, span: Span, received: int, url: str) -> None:
+    """``Content-Range: bytes FIRST-LAST/SIZE`` names bytes from ``span.start`` and as many as
+    arrived; anything else is a body of other bytes (retried, never used)."""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", answered.strip())
+    if (
+        match is None
+        or int(match[1]) != span.start
+        or int(match[2]) - int(match[1]) + 1 != received
+    ):
+        raise TransientStoreError(
+            f"Content-Range {answered!r} with {received} bytes does not answer "
+            f"{http_range(span)['Range']}",
+            url=url,
+        )
 
 
 async def _error(response: aiohttp.ClientResponse) -> tuple[str, str]:

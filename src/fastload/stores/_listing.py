@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 from fastload.config import FetchConfig
+from fastload.errors import StoreError
 from fastload.stores._base import PAGE, Listed, PageLister, Stream
 from fastload.stores._retry import retrying
 
@@ -65,14 +66,52 @@ def guards(point: str, prefix: str) -> set[str]:
     return {point + "/", *below}
 
 
+class _Progress:
+    """What one chain of pages has read: a token given twice, or the same page twice in a
+    row, means the store would list forever (seen: a server answering ``IsTruncated=true``
+    with one token for ever, 9,000 pages in 15 s). A stream's cursor (obstore) is the same
+    object page after page, so only plain tokens are compared."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.pages = 0
+        self.tokens: set[Any] = set()
+        self.last: tuple[str, str, int] | None = None
+
+    def check(self, page: list[Listed], token: Any) -> None:
+        self.pages += 1
+        shape = (page[0].key, page[-1].key, len(page)) if page else None
+        if token is None:
+            return
+        repeated = not isinstance(token, Stream) and token in self.tokens
+        if repeated or (shape is not None and shape == self.last):
+            what = "a continuation token it gave before" if repeated else "the same page again"
+            raise StoreError(
+                f"the store answered {what} after {self.pages} pages: its listing would never "
+                f"end (a server bug; fastload stops rather than list forever)",
+                url=self.prefix or "/",
+            )
+        if not isinstance(token, Stream):
+            self.tokens.add(token)
+        self.last = shape
+
+
 async def list_parallel(
-    lister: PageLister, prefix: str, *, concurrency: int = 32, config: FetchConfig
+    lister: PageLister,
+    prefix: str,
+    *,
+    concurrency: int = 32,
+    config: FetchConfig,
+    split: bool = True,
 ) -> list[Listed]:
-    """Every key under ``prefix``, sorted, listed over concurrently running key ranges.
+    """Every key under ``prefix``, sorted, listed over concurrently running key ranges (one
+    chain of pages with ``split=False``).
 
     Each page request gets ``config.timeout`` seconds; one that fails transiently is asked for
     again as fetches are (``retries``, then, once the store has answered a page, for as long as
-    ``outage_budget`` lasts).
+    ``outage_budget`` lasts). A store that gives a continuation token it gave before, or the
+    same page twice in a row, would be listed forever: that is a :class:`StoreError` naming the
+    prefix and the pages read.
     """
     gate = asyncio.Semaphore(concurrency)
     found: dict[str, Listed] = {}
@@ -127,8 +166,10 @@ async def list_parallel(
         full = lister.page_size or PAGE
         limit = full if hi is None or token is not None else PROBE
         full_pages = 0
+        progress = _Progress(prefix)
         while True:
             page, token = await ask(prefix, lo, token, limit)
+            progress.check(page, token)
             full_pages += len(page) >= limit  # (a stream's last page may come short, not last)
             limit = full
             inside = [e for e in page if hi is None or e.key <= hi]
@@ -142,7 +183,7 @@ async def list_parallel(
             # fake-gcs-server through +20 ms). Three pages, not two: obstore's stream tells
             # its end only on the page after its last, so a listing of exactly two pages
             # would split.
-            if not lister.split or full_pages < (_CHAIN if hi is None else 2):
+            if not (split and lister.split) or full_pages < (_CHAIN if hi is None else 2):
                 continue
             points = await usable(_split_points(inside, prefix, inside[-1].key, hi))
             if points:

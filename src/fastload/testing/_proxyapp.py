@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from fastload.testing.proxy import CONTROL_PATH, COUNTER_KEYS, Faults
+from fastload.testing.proxy import _RATES, CONTROL_PATH, COUNTER_KEYS, OVERLONG, Faults
 
 _HOP_BY_HOP = frozenset(
     {
@@ -116,7 +116,7 @@ class ProxyApp:
         if faults.methods and method not in faults.methods:
             return None
         draw = self.rng.random()
-        for name in ("error_503", "error_500", "reset", "truncate", "stall"):
+        for name in _RATES:
             rate: float = getattr(faults, name)
             if draw < rate:
                 return name
@@ -141,7 +141,7 @@ class ProxyApp:
             return self._reset(request)
         if fault == "stall":
             await asyncio.sleep(faults.stall_seconds)
-        return await self._relay(request, body, truncate=fault == "truncate")
+        return await self._relay(request, body, fault)
 
     @staticmethod
     def _reset(request: web.Request) -> web.StreamResponse:
@@ -155,7 +155,7 @@ class ProxyApp:
         return web.Response(status=499)
 
     async def _relay(
-        self, request: web.Request, body: bytes, *, truncate: bool
+        self, request: web.Request, body: bytes, fault: str | None
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -183,6 +183,9 @@ class ProxyApp:
             await response.prepare(request)
             await response.write_eof()
             return response
+        truncate = fault == "truncate"
+        if fault == "overlong" and request.method == "GET" and status < 300:
+            payload += b"\xee" * OVERLONG
         response.content_length = len(payload)
         await response.prepare(request)
         if truncate and len(payload) > 1:

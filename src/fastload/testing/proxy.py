@@ -2,7 +2,8 @@
 
 It sits in front of any of the servers (or a real endpoint) and adds, per request: latency and
 jitter, a bandwidth cap, provider-shaped 503 (throttling) and 500 errors, connection resets,
-truncated bodies (full Content-Length, half the bytes) and stalls. Rates and the seed are set at
+truncated bodies (full Content-Length, half the bytes), overlong bodies (64 bytes more than
+the range asked for, Content-Length to match) and stalls. Rates and the seed are set at
 start and can be changed while it runs; counters are readable. The Host header is forwarded
 unchanged, so request signatures still verify. (``tc netem`` is not available on these machines.)
 """
@@ -25,7 +26,8 @@ from fastload.testing._process import (
 
 Flavor = Literal["s3", "gcs", "b2"]
 CONTROL_PATH = "/__fastload_proxy__"
-_RATES = ("error_503", "error_500", "reset", "truncate", "stall")
+OVERLONG = 64  # bytes an overlong answer adds
+_RATES = ("error_503", "error_500", "reset", "truncate", "overlong", "stall")
 COUNTER_KEYS = ("requests", "forwarded", "bytes_out", *_RATES)
 
 
@@ -45,6 +47,9 @@ class Faults:
     """Close the connection with a TCP reset before any response."""
     truncate: float = 0.0
     """Send the headers with the full Content-Length, half the body, then close."""
+    overlong: float = 0.0
+    """Answer a successful GET with ``OVERLONG`` bytes more than the store sent (Content-Length
+    to match, Content-Range as the store sent it): a server that ignores a range's end."""
     stall: float = 0.0
     """Send nothing for ``stall_seconds``, then answer normally."""
     stall_seconds: float = 30.0
