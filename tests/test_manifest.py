@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastload import manifest as manifest_module
 from fastload._select import expand_braces, literal_prefixes
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError, TransientStoreError
@@ -214,7 +215,7 @@ def test_corruption_is_detected(tmp_path: Path) -> None:
         arrays = dict(data)
     arrays["sizes"] = arrays["sizes"] + 1
     np.savez(tmp_path / "bad.npz", **arrays)
-    with pytest.raises(ConfigError, match="fingerprint mismatch"):
+    with pytest.raises(ConfigError, match="manifest is corrupt"):
         Manifest.load(tmp_path / "bad.npz")
 
 
@@ -672,3 +673,88 @@ def test_fastload_ls_of_a_store_that_never_answers_ends_within_the_listing_polic
     assert "s3://bkt/data" in done.stderr and "Traceback" not in done.stderr
     # two attempts of 2 s each, plus the process's start: far from the 7 minutes of the defaults
     assert took < 60, took
+
+
+# -- keys outside the root, and edited manifest files ---------------------------------------
+
+
+@pytest.mark.parametrize("key", ["../secret.npy", "a/../../secret.npy", "/etc/passwd", ".."])
+def test_a_key_that_leads_outside_the_root_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(repr(key))):
+        Manifest("file:///data/train", ["ok.npy", key], [1, 1], ["v", "v"])
+
+
+def test_keys_that_only_look_like_climbing_are_kept() -> None:
+    keys = ["a..b.npy", "..x/y.npy", "x/..y", "./c", "x/./y", "...", "a//b"]
+    assert Manifest("s3://b/data", keys, [1] * 7, ["v"] * 7).keys() == keys
+
+
+def _crafted(path: Path, root: str, keys: list[str], sizes: list[int], versions: list[str]) -> None:
+    """A manifest file written by hand, with a checksum that matches (as an attacker can)."""
+    honest = Manifest(root, ["x"] * len(keys), sizes, versions)
+    honest.save(path)
+    with np.load(path) as data:
+        arrays = {name: data[name] for name in data.files}
+    crafted = Strings.of(keys)
+    arrays["key_blob"], arrays["key_ends"] = crafted.blob, crafted.ends
+    meta = json.loads(arrays.pop("meta").tobytes())
+    probe = object.__new__(Manifest)  # the constructor would refuse the key: its fingerprint
+    probe.root, probe._keys, probe._sizes = root, crafted, np.asarray(sizes, dtype=np.int64)
+    probe._versions = Strings.of(versions)
+    meta["fingerprint"] = Manifest.fingerprint.fget(probe)  # type: ignore[attr-defined]
+    meta["checksum"] = manifest_module._checksum(meta, arrays)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(path, **arrays)
+
+
+def test_a_crafted_manifest_cannot_read_outside_its_root(tmp_path: Path) -> None:
+    """On file://, a saved manifest whose key is ../secret.npy (with the secret's own size and
+    mtime as version) was read: the secret's bytes came back as a sample."""
+    root = tmp_path / "data"
+    root.mkdir()
+    np.save(root / "ok.npy", np.arange(3))
+    np.save(tmp_path / "secret.npy", np.full(3, 7))
+    listed = Manifest.build(f"file://{root}")
+    secret = Manifest.build(f"file://{tmp_path}", pattern="secret.npy")
+    path = tmp_path / "crafted.npz"
+    _crafted(
+        path,
+        listed.root,
+        ["ok.npy", "../secret.npy"],
+        [listed[0].size, secret[0].size],
+        [listed[0].version, secret[0].version],
+    )
+    with pytest.raises(ConfigError, match=r"'\.\./secret\.npy'.*outside the dataset root"):
+        Manifest.load(path)
+
+
+def test_a_saved_manifest_with_a_flipped_bit_or_edited_labels_is_refused(tmp_path: Path) -> None:
+    manifest = synthetic(50).with_labels(
+        {f"class{i % 3}/img_{i:07d}.jpg": i % 3 for i in range(50)}
+    )
+    path = tmp_path / "m.npz"
+    manifest.save(path)
+    with np.load(path) as data:
+        arrays = {name: data[name] for name in data.files}
+    arrays["labels"] = arrays["labels"].copy()
+    arrays["labels"][7] = (arrays["labels"][7] + 1) % 3  # one label edited, the rest as saved
+    np.savez(tmp_path / "edited.npz", **arrays)
+    with pytest.raises(ConfigError, match=r"checksum.*edited\.npz"):
+        Manifest.load(tmp_path / "edited.npz")
+    # one bit of the labels' bytes flipped in the file itself (npz members are stored as is)
+    raw = bytearray(path.read_bytes())
+    labels = manifest.labels.tobytes()  # type: ignore[union-attr]
+    at = raw.index(labels) + 8 * 7
+    raw[at] ^= 0x01
+    (tmp_path / "flipped.npz").write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"flipped\.npz"):
+        Manifest.load(tmp_path / "flipped.npz")
+
+
+def test_a_bucket_key_with_a_dot_dot_segment_is_refused_at_build_naming_it(moto: Any) -> None:
+    prefix = f"climb-{uuid.uuid4().hex[:8]}/"
+    client = moto.client()
+    for key in ("a.bin", "x/../../escape.bin"):
+        client.put_object(Bucket=BUCKET, Key=prefix + key, Body=b"1")
+    with pytest.raises(ConfigError, match=r"'x/\.\./\.\./escape\.bin'.*pattern="):
+        Manifest.build(f"s3://{BUCKET}/{prefix}", storage_options=moto.storage_options())

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -218,6 +219,7 @@ class Manifest(Sequence[Entry]):
         self._sizes = np.asarray(sizes, dtype=np.int64)
         self._labels = None if labels is None else np.asarray(labels, dtype=np.int64)
         self.classes = None if classes is None else tuple(classes)
+        _check_keys(self._keys, self.root)
         lengths = {len(self._keys), len(self._sizes), len(self._versions)}
         if self._labels is not None:
             lengths.add(len(self._labels))
@@ -534,7 +536,6 @@ class Manifest(Sequence[Entry]):
             "shard_index": None if self.shard_indexes is None else self.shard_indexes.version,
         }
         arrays = {
-            "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
             "key_blob": self._keys.blob,
             "key_ends": self._keys.ends,
             "sizes": self._sizes,
@@ -552,6 +553,8 @@ class Manifest(Sequence[Entry]):
             arrays["group_left_out_ends"] = self.grouping.left_out.ends
         if self.shard_indexes is not None:
             arrays.update(_shard_index_arrays(self.shard_indexes))
+        meta["checksum"] = _checksum(meta, arrays)
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub
 
     @classmethod
@@ -604,6 +607,12 @@ class Manifest(Sequence[Entry]):
             meta = json.loads(data["meta"].tobytes())
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
                 raise ConfigError(f"not a {FORMAT} file: {name}")
+            arrays = {field: data[field] for field in data.files if field != "meta"}
+            if meta.get("checksum") != _checksum(meta, arrays):
+                raise ConfigError(
+                    f"manifest is corrupt or was edited (its checksum does not match its "
+                    f"content; one saved before checksums is listed again): {name}"
+                )
             manifest = cls(
                 meta["root"],
                 Strings(data["key_blob"], data["key_ends"]),
@@ -637,6 +646,44 @@ class Manifest(Sequence[Entry]):
         removed = len(before.keys() - after.keys())
         changed = sum(1 for k in after.keys() & before.keys() if after[k] != before[k])
         return ManifestChanges(added, removed, changed, new)
+
+
+def _check_keys(keys: Strings, root: str) -> None:
+    """Refuse a key that would read outside ``root``: an absolute key (``/etc/x``) or one
+    with a ``..`` segment (``../secret.npy``, ``a/../../b``), which a local filesystem or an
+    HTTP client that tidies paths resolves above the root. Found by one scan of the keys'
+    bytes (only keys holding ``..`` or starting with ``/`` are decoded)."""
+    if not len(keys) or not len(keys.blob):
+        return
+    starts = np.concatenate(([0], keys.ends[:-1]))
+    filled = keys.ends > starts
+    first = keys.blob[np.minimum(starts, len(keys.blob) - 1)]
+    suspects = set(np.flatnonzero(filled & (first == ord("/"))).tolist())
+    dots = np.asarray([m.start() for m in re.finditer(rb"\.\.", keys.blob.data)], dtype=np.int64)
+    suspects.update(np.searchsorted(keys.ends, dots, side="right").tolist())
+    for index in sorted(suspects):
+        key = keys[index]
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ConfigError(
+                f"manifest key {key!r} leads outside the dataset root {root} (an absolute key "
+                f"or a '..' segment): refused; leave it out with pattern=, or rename the object"
+            )
+
+
+def _checksum(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+    """A digest of a saved manifest's whole content: its metadata (but the checksum itself)
+    and every array, with its name, type and shape. A flipped bit or an edited label no longer
+    loads (the fingerprint covers keys, sizes and versions only). Not a signature: whoever can
+    write the file can write a matching checksum; keys are checked on their own
+    (:func:`_check_key`)."""
+    digest = hashlib.sha256(
+        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
+    )
+    for field in sorted(arrays):
+        array = np.ascontiguousarray(arrays[field])
+        digest.update(f"{field}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def _with_pattern(url: str, pattern: str | None) -> tuple[str, str | None]:

@@ -21,13 +21,12 @@ from fastload.stores.s3 import S3Pages
 from fastload.testing import B2Server, S3Server
 from tests.conftest import BUCKET
 
+# ("../d" and "/lead" lead outside the root: refused, see test_manifest.py)
 ODD = [
     "a//b",
     "./c",
-    "../d",
     "ctl\x01x",
     "x/./y",
-    "/lead",
     "sp ace",
     "%41",
     "tab\tkey",
