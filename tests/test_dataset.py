@@ -7,7 +7,9 @@ import logging
 import os
 import pickle
 import threading
+import tracemalloc
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -628,3 +630,45 @@ def test_local_file_names_that_are_not_utf8_are_read_and_cached(tmp_path: Path, 
     assert cache.counters.hits == 3 and cache.verify().corrupt == []
     dataset.manifest.save(tmp_path / "m.npz")
     assert Manifest.load(tmp_path / "m.npz").keys() == dataset.manifest.keys()
+
+
+def _npz_bomb(expanded: int) -> bytes:
+    """A .npz whose one float64 member is ``expanded`` bytes of zeros, deflated to ~1/1000."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        with archive.open("x.npy", "w", force_zip64=True) as member:
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(
+                header, {"descr": "<f8", "fortran_order": False, "shape": (expanded // 8,)}
+            )
+            member.write(header.getvalue())
+            zeros = bytes(64 << 20)
+            for _ in range(expanded // len(zeros)):
+                member.write(zeros)
+    return out.getvalue()
+
+
+def test_an_npz_that_expands_past_the_bound_is_refused_before_it_is_inflated(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 5 MB .npz expanding to 1.1 GB added its whole size to peak memory."""
+    root, options = s3_root
+    bomb = _npz_bomb(1088 << 20)
+    assert len(bomb) < 8 << 20
+    ok = io.BytesIO()
+    np.savez_compressed(ok, x=np.arange(1000.0))
+    write(root, options, {"bomb/a.npz": bomb, "fine/b.npz": ok.getvalue()})
+    dataset = RemoteDataset(f"{root}/bomb", storage_options=options, decode="npz")
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeError, match=r"expand to 1,140,850,816 bytes.*FASTLOAD_DECODE_MAX_BYTES"):
+            dataset[0]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # the fetched 5 MB and bookkeeping, not the 1.1 GB
+    fine = RemoteDataset(f"{root}/fine", storage_options=options, decode="npz")
+    assert fine[0]["x"].tolist() == list(np.arange(1000.0))
+    monkeypatch.setenv("FASTLOAD_DECODE_MAX_BYTES", "4000")  # 8,000 bytes of float64: over
+    with pytest.raises(DecodeError, match=r"over the 4,000"):
+        RemoteDataset(f"{root}/fine", storage_options=options, decode="npz")[0]

@@ -91,7 +91,28 @@ class ChunkConfig:
         return _from_env(cls(), "FASTLOAD_CHUNK_", environ)
 
 
-C = TypeVar("C", FetchConfig, ChunkConfig)
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Bounds on what decoding a sample may allocate.
+
+    max_bytes: the most bytes one compressed container (``.npz``) may declare its arrays
+        expand to; a larger one (a 2 MB file of zeros that expands to 2 GB) is refused before
+        anything is inflated, as Pillow refuses decompression bombs. A ``.npy`` is bounded by
+        its own size (its data is stored as is).
+    """
+
+    max_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _check(self, "max_bytes", _is_int(self.max_bytes) and self.max_bytes >= 1, ">= 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DecodeConfig:
+        """Defaults overridden by ``FASTLOAD_DECODE_<FIELD>`` (FASTLOAD_DECODE_MAX_BYTES)."""
+        return _from_env(cls(), "FASTLOAD_DECODE_", environ)
+
+
+C = TypeVar("C", FetchConfig, ChunkConfig, DecodeConfig)
 
 
 def _from_env(default: C, prefix: str, environ: Mapping[str, str] | None) -> C:

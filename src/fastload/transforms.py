@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import math
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import CodeType, FunctionType, ModuleType
@@ -25,7 +26,8 @@ import torch
 
 from fastload._dicom import dicom_array, dicom_series
 from fastload._image import image_array, tiff_array
-from fastload.errors import ConfigError
+from fastload.config import DecodeConfig
+from fastload.errors import ConfigError, DecodeError
 
 __all__ = [
     "Compose",
@@ -487,9 +489,19 @@ def _parsed_npy_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], b
 
 @versioned(1)
 def decode_npz(data: bytes) -> dict[str, np.ndarray]:
-    """A .npz file's arrays, by name."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
+    """A .npz file's arrays, by name; one whose members declare more than
+    :attr:`DecodeConfig.max_bytes <fastload.config.DecodeConfig>` in all is refused before
+    anything is inflated (a member never yields more than it declares)."""
+    limit = DecodeConfig.from_env().max_bytes
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        declared = sum(member.file_size for member in archive.infolist())
+    if declared > limit:
+        raise DecodeError(
+            f"the .npz file's arrays expand to {declared:,} bytes from {len(data):,}, over the "
+            f"{limit:,} a sample may take (FASTLOAD_DECODE_MAX_BYTES)"
+        )
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {name: npz[name] for name in npz.files}
 
 
 @versioned(1)
