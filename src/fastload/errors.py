@@ -20,7 +20,9 @@ __all__ = [
     "FastloadError",
     "MissingExtraError",
     "ObjectChangedError",
+    "ObjectExistsError",
     "ObjectNotFoundError",
+    "RankExchangeError",
     "ServerStartError",
     "ShardError",
     "StoreError",
@@ -79,6 +81,11 @@ class ObjectChangedError(ObjectNotFoundError):
     :class:`fastload.RemoteDataset` for the choices (raise, skip, refresh)."""
 
 
+class ObjectExistsError(StoreError, FileExistsError):
+    """An exclusive create (``open(path, "xb")``, ``pipe_file(path, data, mode="create")``)
+    found an object already at that name; nothing was written over it."""
+
+
 class AccessDeniedError(StoreError, PermissionError):
     """The credentials are missing, wrong, or lack the permission."""
 
@@ -121,6 +128,13 @@ class CacheFullError(CacheError):
 
 class CorruptEntryError(CacheError):
     """A cache entry failed its checksum or could not be parsed (it is deleted and recomputed)."""
+
+
+class RankExchangeError(FastloadError, RuntimeError):
+    """Ranks with no process group (under torch_xla) could not hand each other a value through
+    the store rank 0 serves: a value that another process wrote or that is signed with another
+    key, a store that cannot be served or reached, a wait that timed out. The message names the
+    store's address and port; no rank uses a value it refused."""
 
 
 class ServerStartError(FastloadError, RuntimeError):

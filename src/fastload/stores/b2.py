@@ -13,16 +13,24 @@ import io
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from fastload._extras import import_extra
-from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError, StoreError
+from fastload.errors import (
+    AccessDeniedError,
+    ConfigError,
+    ObjectChangedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
 from fastload.stores._b2get import Downloads
 from fastload.stores._base import (
     Body,
@@ -84,6 +92,32 @@ def _translated(path: str) -> Iterator[None]:
         yield
     except _b2.exception.B2Error as exc:
         raise translate(exc, f"b2://{path}") from exc
+
+
+def _exists(path: str) -> StoreError:
+    return ObjectExistsError(
+        "an object already exists at this name (exclusive create); nothing was written",
+        url=f"b2://{path}",
+    )
+
+
+def _changed(path: str) -> StoreError:
+    return ObjectChangedError(
+        "another writer replaced, created or deleted the object while it was being appended "
+        "to; the append was not written",
+        url=f"b2://{path}",
+    )
+
+
+@dataclass(frozen=True)
+class _Expect:
+    """What a conditional write expects its new version to follow: the file id of the
+    object's version it was based on (``None``: no object), else ``conflict`` is raised.
+    B2 has no conditional upload, so the write checks after the fact (see
+    :meth:`B2FileSystem._settle`)."""
+
+    previous: str | None
+    conflict: Callable[[str], StoreError]
 
 
 class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyped
@@ -239,16 +273,24 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         bucket = self._bucket(bucket_name)
         if not key:
             return self._dir_info(bucket_name)
-        try:
-            with _translated(path):
-                version = bucket.get_file_info_by_name(key)
+        version = self._live_version(path)
+        if version is not None:
             return self._file_info(bucket_name, version)
-        except ObjectNotFoundError:
-            pass
         with _translated(path):
             for _ in bucket.ls(folder_to_list=f"{key}/", latest_only=True):
                 return self._dir_info(path)
         raise ObjectNotFoundError("no such object", url=f"b2://{path}")
+
+    def _live_version(self, path: str) -> Any | None:
+        """The latest version of the object at ``path`` (bucket/key), or ``None`` when there
+        is none (or it is hidden). A missing bucket raises."""
+        bucket_name, key = self._split(path)
+        bucket = self._bucket(bucket_name)
+        try:
+            with _translated(path):
+                return bucket.get_file_info_by_name(key)
+        except ObjectNotFoundError:
+            return None
 
     def modified(self, path: str) -> datetime:
         return datetime.fromtimestamp(self.info(path)["mtime"], tz=timezone.utc)
@@ -309,15 +351,84 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
     # -- writing -------------------------------------------------------------------------
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        """Upload ``value`` to ``path``. ``mode="create"`` writes only where no object is
+        (else :class:`~fastload.errors.ObjectExistsError`)."""
         path = self._strip_protocol(path)
-        bucket_name, key = self._split(path)
-        with _translated(path):
-            self._bucket(bucket_name).upload_bytes(bytes(value), key)
+        if mode not in ("overwrite", "create"):
+            raise ConfigError(
+                f"pipe_file mode {mode!r} for b2://{path}: use 'overwrite' or 'create'"
+            )
+        expect = self._expect_absent(path) if mode == "create" else None
+        data = bytes(value)
+        self._write(path, lambda bucket, key: bucket.upload_bytes(data, key), expect)
 
-    def _upload_stream(self, path: str, stream: Any) -> None:
+    def _expect_absent(self, path: str) -> _Expect:
+        """An exclusive create's check before it uploads (no object at ``path``), and its
+        expectation for after."""
+        if self._live_version(path) is not None:
+            raise _exists(path)
+        return _Expect(None, _exists)
+
+    def _write(self, path: str, upload: Callable[[Any, str], Any], expect: _Expect | None) -> None:
+        """``upload(bucket, key)`` a new version of ``path``; with ``expect``, keep it only
+        if it follows the version expected."""
         bucket_name, key = self._split(path)
+        bucket = self._bucket(bucket_name)
         with _translated(path):
-            self._bucket(bucket_name).upload_unbound_stream(stream, key)
+            ours = upload(bucket, key)
+        if expect is not None:
+            self._settle(bucket, path, ours, expect)
+
+    def _settle(self, bucket: Any, path: str, ours: Any, expect: _Expect) -> None:
+        """Keep the version ``ours`` just uploaded only if the version before it is the one
+        ``expect``-ed. Otherwise another writer's version landed between this write's check
+        (or read) and its upload: ``ours`` is deleted, so the object is as that writer left
+        it, and ``expect.conflict`` is raised. B2 orders one name's versions the same for
+        every caller, so of two racing exclusive creates exactly one is kept."""
+        with _translated(path):
+            chain = (
+                v
+                for v in bucket.list_file_versions(ours.file_name)
+                if v.action in ("upload", "hide")  # not "start": an unfinished large file
+            )
+            for version in chain:  # newest first
+                if version.id_ == ours.id_:
+                    older = next(chain, None)
+                    break
+            else:
+                return  # deleted since: a later change than this write, not a conflict
+        before = older.id_ if older is not None and older.action == "upload" else None
+        if before == expect.previous:
+            return
+        with _translated(path):
+            bucket.delete_file_version(ours.id_, ours.file_name)
+        raise expect.conflict(path)
+
+    def _download_version(self, path: str, version: Any, out: IO[bytes]) -> None:
+        """Write the bytes of ``version`` (of the object at ``path``) to ``out``, checked
+        against its SHA-1 by b2sdk."""
+        bucket = self._bucket(self._split(path)[0])
+        with _translated(path):
+            downloaded = bucket.download_file_by_id(version.id_)
+            try:
+                downloaded.save(out, allow_seeking=False)
+            finally:
+                downloaded.response.close()
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        """Copy the object ``path1`` to ``path2`` on the server (``b2_copy_file``; b2sdk copies
+        one over 5 GB in parts), content type and file info included. A folder is only a
+        name prefix in B2: copying one copies nothing (its objects are copied one by one)."""
+        path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        source = self._live_version(path1) if self._split(path1)[1] else None
+        if source is None:
+            if self.isdir(path1):
+                return
+            raise ObjectNotFoundError("no such object", url=f"b2://{path1}")
+        bucket_name, key = self._split(path2)
+        bucket = self._bucket(bucket_name)
+        with _translated(path1):
+            bucket.copy(source.id_, key)
 
     def rm_file(self, path: str) -> None:
         path = self._strip_protocol(path)
@@ -369,25 +480,59 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
 
 
 class B2File(AbstractBufferedFile):  # type: ignore[misc]  # fsspec is untyped
-    """A buffered B2 file: range reads; writes spool locally and upload on close."""
+    """A buffered B2 file: range reads; writes spool locally and upload on close.
+
+    ``"xb"`` writes only where no object is (checked at open and again after the upload).
+    B2 cannot append to an object, so ``"ab"`` reads, modifies and writes: the new version
+    holds the bytes of the version seen at open followed by those written, and is kept only
+    if no other writer changed the object in between (else
+    :class:`~fastload.errors.ObjectChangedError`, and nothing is written)."""
 
     fs: B2FileSystem
+
+    def __init__(self, fs: B2FileSystem, path: str, mode: str = "rb", *args: Any, **kwargs: Any):
+        # Checked before the file is set up: a file refused half-built would still be
+        # flushed (an empty upload over the object) when the garbage collector closes it.
+        self._base: Any | None = fs._live_version(path) if mode == "ab" else None  # appended to
+        self._expect: _Expect | None = None
+        if mode == "xb":
+            self._expect = fs._expect_absent(path)
+        elif mode == "ab":
+            self._expect = _Expect(None if self._base is None else self._base.id_, _changed)
+        super().__init__(fs, path, mode, *args, **kwargs)
+        if self._base is not None:
+            self.loc = self._base.size
+
+    @property
+    def _unchanged(self) -> bool:
+        """An append that has written nothing leaves the object as it is (no new version)."""
+        return self._base is not None and self.loc == self._base.size
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path, start, end)
 
     def _initiate_upload(self) -> None:
         self._spool: Any = tempfile.SpooledTemporaryFile(max_size=64 * 2**20)  # noqa: SIM115
+        if self._base is not None and not self._unchanged:
+            try:
+                self.fs._download_version(self.path, self._base, self._spool)
+            except BaseException:
+                self._spool.close()
+                raise
 
     def _upload_chunk(self, final: bool = False) -> bool:
         self._spool.write(self.buffer.getbuffer())
         if final:
-            self._spool.seek(0)
             try:
-                self.fs._upload_stream(self.path, self._spool)
+                if not self._unchanged:
+                    self._spool.seek(0)
+                    self.fs._write(self.path, self._upload, self._expect)
             finally:
                 self._spool.close()
         return True
+
+    def _upload(self, bucket: Any, key: str) -> Any:
+        return bucket.upload_unbound_stream(self._spool, key)
 
 
 class B2Store(FsspecStore):

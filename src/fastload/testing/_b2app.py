@@ -2,8 +2,8 @@
 
 No B2 server exists to install, so this one speaks the wire protocol b2sdk uses (authorize,
 buckets, list file names/versions, upload, large-file parts, download by name/id with Range,
-hide/delete) and delegates the semantics to b2sdk's own simulator. Every URL it hands out is
-built from the request's Host header, so a proxy in front of it stays in the path.
+hide/delete, copy) and delegates the semantics to b2sdk's own simulator. Every URL it hands
+out is built from the request's Host header, so a proxy in front of it stays in the path.
 
 Run: ``python -m fastload.testing._b2app --port P --key-id ID --key SECRET``.
 """
@@ -32,7 +32,9 @@ from b2sdk._internal.exception import (
     MissingPart,
     NonExistentBucket,
     PartSha1Mismatch,
+    UnsatisfiableRange,
 )
+from b2sdk._internal.raw_api import MetadataDirectiveMode
 from b2sdk._internal.raw_simulator import BucketSimulator, RawSimulator
 from b2sdk._internal.utils import b2_url_decode
 
@@ -51,6 +53,7 @@ _ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (DuplicateBucketName, 400, "duplicate_bucket_name"),
     (MissingPart, 400, "missing_part"),
     (PartSha1Mismatch, 400, "part_sha1_mismatch"),
+    (UnsatisfiableRange, 416, "range_not_satisfiable"),
     (B2Error, 400, "bad_request"),
     (AssertionError, 400, "bad_request"),
     (ValueError, 400, "bad_request"),
@@ -83,7 +86,10 @@ def error_response(status: int, code: str, message: str) -> web.Response:
 
 
 class _Bucket(BucketSimulator):  # type: ignore[misc]  # b2sdk is untyped
-    """The simulator's bucket, without its limit of ~5,000 uploads and 200 upload URLs."""
+    """The simulator's bucket, without its limit of ~5,000 uploads and 200 upload URLs, and
+    with B2's limit on what one ``b2_copy_file`` makes (5 GB; the simulator's is 200 bytes)."""
+
+    MAX_SIMPLE_COPY_SIZE = 5 * 10**9
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -271,6 +277,67 @@ class B2App:
     def _hide_file(self, token: str, p: dict[str, Any]) -> Any:
         return self.sim.hide_file(self.sim.API_URL, token, p["bucketId"], p["fileName"])
 
+    def _copy_file(self, token: str, p: dict[str, Any]) -> Any:
+        """b2_copy_file: a new file ``fileName`` in ``destinationBucketId`` (default: the
+        source's bucket) from the file ``sourceFileId``, or from the bytes ``range`` of it,
+        its metadata per ``metadataDirective``."""
+        source_id = p["sourceFileId"]
+        bucket_id = self.sim.file_id_to_bucket_id.get(source_id)
+        if bucket_id is None:
+            raise FileNotPresent(file_id_or_name=source_id)
+        source = self.sim._get_bucket_by_id(bucket_id).file_id_to_file[source_id]
+        if source.action != "upload":
+            raise ValueError(f"file {source_id} is not an uploaded file ({source.action})")
+        destination = self.sim._get_bucket_by_id(p.get("destinationBucketId") or bucket_id)
+        directive, content_type, file_info = self._copy_metadata(p)
+        span = self._copy_range(p.get("range"), len(source.data_bytes))
+        result = self.sim.copy_file(
+            self.sim.API_URL,
+            token,
+            source_id,
+            p["fileName"],
+            span,
+            directive,
+            content_type,
+            file_info,
+            destination.bucket_id,
+        )
+        # The simulator files the copy in its bucket but not in its account's index by file
+        # id, so deleting it, or finding it by id, would say "not present".
+        self.sim.file_id_to_bucket_id[result["fileId"]] = destination.bucket_id
+        if directive is MetadataDirectiveMode.REPLACE:  # else the source's file info stays
+            copied = destination.file_id_to_file[result["fileId"]]
+            copied.file_info = result["fileInfo"] = file_info or {}
+        return result
+
+    @staticmethod
+    def _copy_metadata(p: dict[str, Any]) -> tuple[MetadataDirectiveMode, str | None, Any]:
+        """``COPY`` (the default) takes the source's content type and file info and refuses
+        either in the request; ``REPLACE`` takes them from the request: ``contentType``
+        required, ``fileInfo`` empty when left out."""
+        name = p.get("metadataDirective", "COPY")
+        if name not in MetadataDirectiveMode.__members__:
+            raise ValueError(f"metadataDirective {name!r} is neither COPY nor REPLACE")
+        directive = MetadataDirectiveMode[name]
+        content_type, file_info = p.get("contentType"), p.get("fileInfo")
+        if directive is MetadataDirectiveMode.COPY and (
+            content_type is not None or file_info is not None
+        ):
+            raise ValueError("contentType and fileInfo are for metadataDirective REPLACE only")
+        if directive is MetadataDirectiveMode.REPLACE and content_type is None:
+            raise ValueError("metadataDirective REPLACE needs a contentType")
+        return directive, content_type, file_info
+
+    def _copy_range(self, header: str | None, size: int) -> tuple[int, int] | None:
+        """A copy's ``range``, read as an HTTP Range: an end past the source's end stops
+        there, a start past it (or after the end) is a 416."""
+        if header is None:
+            return None
+        start, end = self._parse_range(header, size)
+        if start >= size or start > end:
+            raise UnsatisfiableRange()
+        return start, end
+
     _OPS: ClassVar[dict[str, Callable[[B2App, str, dict[str, Any]], Any]]] = {
         "b2_list_buckets": _list_buckets,
         "b2_create_bucket": _create_bucket,
@@ -287,6 +354,7 @@ class B2App:
         "b2_list_parts": _list_parts,
         "b2_delete_file_version": _delete_file_version,
         "b2_hide_file": _hide_file,
+        "b2_copy_file": _copy_file,
     }
 
     # -- uploads -----------------------------------------------------------------------------
