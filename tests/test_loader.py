@@ -908,9 +908,10 @@ def test_forked_workers_wait_for_a_running_listing_check() -> None:
     data.listing_check = check  # type: ignore[attr-defined]
     threading.Timer(0.3, check.set_result, args=(None,)).start()
     loader = fastload.DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="fork")
-    batches = iter(loader)
+    batches = iter(loader)  # the pass (and the workers' start) begins at the first batch
+    _, first = next(batches)
     assert check.done()
-    assert sum(len(y) for _, y in batches) == 8
+    assert len(first) + sum(len(y) for _, y in batches) == 8
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -1000,3 +1001,38 @@ def test_a_drain_that_counted_nothing_is_empty_and_a_count_of_any_kind_is_not() 
         assert not taken.empty, add
         assert counters.drain().empty  # and a drain copies: nothing counted twice
     assert taken.fetch.latency.count == 1 and counters.fetch.latency.count == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_fails_to_decode_is_not_fetched_again_every_epoch(
+    seaweed: S3Server, tmp_path: Path, workers: int
+) -> None:
+    """One corrupt object among 30 behind a cache: every warm epoch fetched it again (and
+    failed again). Now each process remembers it for the run; it is still skipped and named."""
+    root = upload(
+        f"s3://{BUCKET}/undecodable-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 30
+    )
+    filesystem(root, seaweed.storage_options()).pipe_file(
+        f"{root.split('://', 1)[1]}/0007.npy", b"\x93NUMPY but not really"
+    )
+    with FaultProxy(seaweed.endpoint, flavor="s3") as proxy:
+        dataset = RemoteDataset(
+            root,
+            storage_options=seaweed.storage_options(proxy.endpoint),
+            decode="npy",
+            cache=Cache(tmp_path / "cache", format="npy"),
+            on_error="skip",
+        )
+        loader = fastload.DataLoader(dataset, batch_size=5, shuffle=True, num_workers=workers)
+        gets = []
+        for epoch in range(4):
+            loader.set_epoch(epoch)
+            before = proxy.counters()["requests"]
+            seen = [int(x.flatten()[0]) for batch in loader for x in batch]
+            gets.append(proxy.counters()["requests"] - before)
+            assert len(seen) == 30 and 7 not in seen and set(seen) == set(range(30)) - {7}
+    assert gets[0] >= 30
+    # a worker that has not met the corrupt object yet reads it once more, at most
+    assert sum(gets[1:]) <= workers, gets
+    if not workers:  # (with workers, each worker's counters are its own)
+        assert dataset.stats()["dataset"]["skipped_keys"] == [f"{root}/0007.npy"]

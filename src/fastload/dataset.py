@@ -725,27 +725,51 @@ class RemoteDataset(_Batched):
             made[i] = item
         return made
 
+    @property
+    def _undecodable(self) -> dict[tuple[str, str], DecodeError]:
+        """(url, version) -> its DecodeError: a sample that failed to decode or transform is
+        not read again while this process runs (a corrupt image was fetched every warm
+        epoch); its object at another version is."""
+        known: dict[tuple[str, str], DecodeError] = self.__dict__.setdefault("_failed", {})
+        return known
+
     def _produce(self, samples: list[Sample]) -> list[Any]:
         """Read every sample of the batch at once (its source knows how), then decode and
-        transform each."""
-        payloads = self.source.read(samples, self.fetcher)
-        return [
-            p if isinstance(p, BaseException) else self._prepare(p, s.url)
-            for p, s in zip(payloads, samples, strict=True)
-        ]
+        transform each. A sample that failed to decode or transform before, at the version it
+        has now, fails again without a read (:attr:`_undecodable`)."""
+        known = self._undecodable
+        todo = [s for s in samples if (s.url, s.version) not in known]
+        payloads = iter(self.source.read(todo, self.fetcher) if todo else [])
+        made: list[Any] = []
+        for sample in samples:
+            failed = known.get((sample.url, sample.version))
+            if failed is not None:
+                made.append(failed)
+                continue
+            payload = next(payloads)
+            made.append(
+                payload if isinstance(payload, BaseException) else self._prepare(payload, sample)
+            )
+        return made
 
-    def _prepare(self, payload: Any, url: str) -> Any:
+    def _prepare(self, payload: Any, sample: Sample) -> Any:
         started = time.perf_counter()
         try:
-            sample = self.decode(payload)
+            made = self.decode(payload)
             if self.transform is not None:
-                sample = self.transform(sample)
+                made = self.transform(made)
         except Exception as exc:  # the user's code: name the object, keep the cause
             reason = f"{type(exc).__name__}: {exc}"[:300]
-            return DecodeError(f"cannot decode or transform the sample ({reason})", url=url)
+            error = DecodeError(
+                f"cannot decode or transform the sample ({reason}; not read again while this "
+                f"process runs)",
+                url=sample.url,
+            )
+            self._undecodable[(sample.url, sample.version)] = error
+            return error
         finally:
             self.counters.dataset.prepare.add(time.perf_counter() - started)
-        return sample
+        return made
 
 
 def _check_arguments(
