@@ -530,3 +530,24 @@ def test_a_saved_manifest_keeps_the_grouping(
     other = RemoteDataset(loaded, group_by=r"(.*)_ch\d", decode="tiff", storage_options=options)
     assert len(other) == len(FIELDS)
     assert loaded[:3].grouping is None  # a derived manifest has other entries: no grouping
+
+
+def test_a_multiframe_file_and_a_folder_of_slices_give_one_shape(seaweed: S3Server) -> None:
+    """A group of one Enhanced CT file came out of decode="dicom-series" as
+    (1, frames, H, W), a folder of slices as (slices, H, W): a bucket holding both could not
+    be batched. Both are (slices, H, W) now."""
+    root = f"s3://{BUCKET}/mixed-dicom-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    stored = np.random.default_rng(9).integers(0, 4096, (4, 6, 7))
+    objects = {"vol-a/enhanced.dcm": enhanced_ct(stored, None)}
+    for z in range(4):
+        objects[f"vol-b/IM{z}.dcm"] = ct_slice(stored[z], z=2.5 * z, instance=z + 1, slope=1)
+    write(root, options, objects)
+    dataset = RemoteDataset(
+        root, group_by=r"^(vol-\w)/", decode="dicom-series", storage_options=options
+    )
+    a, b = dataset[0], dataset[1]
+    assert a.shape == b.shape == (4, 6, 7)
+    np.testing.assert_array_equal(a, stored - 1024.0)
+    (batch,) = list(fastload.DataLoader(dataset, batch_size=2, num_workers=0))
+    assert tuple(batch.shape) == (2, 4, 6, 7)

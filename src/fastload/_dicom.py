@@ -7,7 +7,9 @@ in its functional groups, shared or for each frame, and each frame is rescaled b
 
 A multi-frame file is ``frames x H x W``; a series is sorted by slice position along the slice
 normal (``ImagePositionPatient`` on the cross product of ``ImageOrientationPatient``), else by
-``InstanceNumber``, and stacked to ``slices x H x W``.
+``InstanceNumber``, and stacked to ``slices x H x W``. A volume has that one shape however it is
+stored: a multi-frame file in a group gives its frames as slices (a group of one Enhanced CT
+file is ``frames x H x W``, as a folder of its slices is), so a bucket that mixes both batches.
 Files of several series in one group (a T1 and a T2 in one folder), a slice facing another way
 (a localizer), two slices at one position (echoes, time points: several volumes in one series),
 or a slice without a position among slices with one, are a DecodeError: sorted by position they
@@ -94,12 +96,20 @@ def dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
     slices = [(key, _read(body, f"{key}: ")) for key, body in members.items()]
     slices.sort(key=lambda item: _position(item[1], item[0]))
     _one_volume(slices)
-    volume = [_pixels(ds, f"{key}: ") for key, ds in slices]
-    first = volume[0].shape
-    odd = next((key for (key, _), v in zip(slices, volume, strict=True) if v.shape != first), None)
+    volume = [_frames(_pixels(ds, f"{key}: "), ds) for key, ds in slices]
+    first = volume[0].shape[1:]
+    odd = next(
+        (key for (key, _), v in zip(slices, volume, strict=True) if v.shape[1:] != first), None
+    )
     if odd is not None:
         raise DecodeError(f"{odd}: slice shape differs from the series' {first}")
-    return np.stack(volume)
+    return np.concatenate(volume)
+
+
+def _frames(pixels: np.ndarray, ds: Any) -> np.ndarray:
+    """A file's pixels as ``frames x H x W`` (x 3 for colour): a single frame gets an axis."""
+    multi = int(ds.get("NumberOfFrames", 1) or 1) > 1
+    return pixels if multi else pixels[np.newaxis]
 
 
 def _one_volume(slices: list[tuple[str, Any]]) -> None:

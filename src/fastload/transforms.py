@@ -539,12 +539,14 @@ def decode_dicom(data: bytes) -> np.ndarray:
     return dicom_array(data)
 
 
-@versioned(3)  # 2: a group that is not one volume is a DecodeError (it was interleaved);
+@versioned(4)  # 2: a group that is not one volume is a DecodeError (it was interleaved);
 # 3: an enhanced multi-frame file's rescale is applied; a slice without a position among
-# slices with one is a DecodeError (it was put at 0 mm)
+# slices with one is a DecodeError (it was put at 0 mm); 4: a multi-frame file's frames are
+# slices (a group of one was 1 x frames x H x W)
 def decode_dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
-    """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position
-    (``RemoteDataset(..., group_by=..., decode="dicom-series")``; needs ``fastload[dicom]``)."""
+    """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position, a
+    multi-frame file's frames as slices (``RemoteDataset(..., group_by=...,
+    decode="dicom-series")``; needs ``fastload[dicom]``)."""
     return dicom_series(members)
 
 
