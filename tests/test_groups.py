@@ -551,3 +551,50 @@ def test_a_multiframe_file_and_a_folder_of_slices_give_one_shape(seaweed: S3Serv
     np.testing.assert_array_equal(a, stored - 1024.0)
     (batch,) = list(fastload.DataLoader(dataset, batch_size=2, num_workers=0))
     assert tuple(batch.shape) == (2, 4, 6, 7)
+
+
+def test_a_group_by_without_a_capture_group_that_names_channels_is_refused(
+    seaweed: S3Server,
+) -> None:
+    """r"_ch\\d\\.tiff$" (no capture group) made 5 "samples" of 12 fields' channels each."""
+    root = f"s3://{BUCKET}/no-capture-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    with pytest.raises(ConfigError, match=r"no capture group.*'_ch1\.tiff'.*\^\(\.\*\)"):
+        RemoteDataset(root, group_by=r"_ch\d\.tiff$", decode="tiff", storage_options=options)
+    # a whole match that names the sample (no capture group) is still a group name
+    dicom = {f"sub-{s:02d}/IM{i}.dcm": b"x" for s in range(3) for i in range(2)}
+    write(f"{root}/dicom", options, dicom)
+    by_prefix = RemoteDataset(f"{root}/dicom", group_by=r"^sub-\d+", storage_options=options)
+    assert [s.url.rsplit("/", 1)[-1] for s in map(by_prefix.source.__getitem__, range(3))] == [
+        "sub-00",
+        "sub-01",
+        "sub-02",
+    ]
+
+
+def test_groups_without_a_label_are_left_out_and_named_under_incomplete_skip(
+    seaweed: S3Server,
+) -> None:
+    """18 participants, 2 without a row in the label table: only a group_by callable could
+    load them before."""
+    root = f"s3://{BUCKET}/unlabelled-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    write(root, options, {f"sub-{s:02d}/IM{i}.dcm": b"x" for s in range(18) for i in range(2)})
+    labels = {f"sub-{s:02d}": s % 2 for s in range(18) if s not in (4, 11)}
+    with pytest.raises(ConfigError, match=r"2 of 18 groups .* no label .*incomplete='skip'"):
+        RemoteDataset(root, group_by=r"^(sub-\d+)/", labels=labels, storage_options=options)
+    dataset = RemoteDataset(
+        root,
+        group_by=r"^(sub-\d+)/",
+        labels=labels,
+        incomplete="skip",
+        decode=lambda members: len(members),
+        storage_options=options,
+    )
+    assert len(dataset) == 16
+    assert [dataset[i][1] for i in range(16)] == [labels[n] for n in sorted(labels)]
+    assert dataset.stats()["dataset"]["left_out"] == [
+        f"{root}/sub-04: incomplete group, no label",
+        f"{root}/sub-11: incomplete group, no label",
+    ]

@@ -76,7 +76,13 @@ class Groups:
         self.classes: tuple[str, ...] | None = None
         self._labels: list[int] | None = None
         if labels is not None:
-            self._join_labels(labels, label_key, label_field, classes)
+            self._join_labels(labels, label_key, label_field, classes, incomplete)
+
+    def _leave_out(self, names: set[str], why: str) -> None:
+        log.warning("leaving out %d groups under %s: %s", len(names), self.root, why)
+        kept = [(n, m) for n, m in zip(self.names, self._members, strict=True) if n not in names]
+        self.names, self._members = [n for n, _ in kept], [m for _, m in kept]
+        self.left_out = sorted([*self.left_out, *(f"{self.root}/{n}: {why}" for n in names)])
 
     def __len__(self) -> int:
         return len(self.names)
@@ -103,6 +109,7 @@ class Groups:
         label_key: str,
         label_field: str,
         classes: Sequence[str] | None,
+        incomplete: Incomplete,
     ) -> None:
         if callable(labels) and not isinstance(labels, (str, Path, Mapping)):
             table: Mapping[str, int | str] = {name: labels(name) for name in self.names}
@@ -120,11 +127,13 @@ class Groups:
                 f"labels match none of the {len(self.names)} groups under {self.root} "
                 f"(groups look like {self.names[:3]}, label keys like {list(table)[:3]})"
             )
-        if absent:
+        if absent and incomplete != "skip":
             raise ConfigError(
                 f"{len(absent)} of {len(self.names)} groups under {self.root} have no label "
-                f"(first: {absent[:_SHOWN]})"
+                f"(first: {absent[:_SHOWN]}); pass incomplete='skip' to leave them out"
             )
+        if absent:
+            self._leave_out(set(absent), "incomplete group, no label")
         self._labels, names = label_codes(
             [table[name] for name in self.names], self.root, self.names, classes
         )
@@ -178,6 +187,13 @@ def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[in
             f"group_by {_describe(group_by)} matches none of the {len(keys)} objects under "
             f"{root} (keys look like {keys[:3]})"
         )
+    if _names_a_suffix(group_by, groups, keys):
+        raise ConfigError(
+            f"group_by {_describe(group_by)} has no capture group, so its whole match names "
+            f"each group, and here that is the end of every key ({sorted(groups)[:3]}): it names "
+            f"what differs within a sample (a channel), not the sample. Put the part that names "
+            rf"a sample in a group: e.g. r'^(.*)_ch\d\.tiff$'"
+        )
     if len(groups) == 1 and len(keys) > 1:
         (name,) = groups
         raise ConfigError(
@@ -194,6 +210,16 @@ def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[in
             left_out[:_SHOWN],
         )
     return groups
+
+
+def _names_a_suffix(group_by: GroupRule, groups: dict[str, list[int]], keys: list[str]) -> bool:
+    r"""Whether a regex without a capture group named every group by the end of its keys
+    (``_ch\d\.tiff$`` made 5 "samples" of 150 fields' channels)."""
+    if not isinstance(group_by, (str, re.Pattern)) or re.compile(group_by).groups:
+        return False
+    return all(
+        keys[i].endswith(name) and keys[i] != name for name, idx in groups.items() for i in idx
+    )
 
 
 def _namer(group_by: GroupRule) -> Callable[[str], str | None]:
