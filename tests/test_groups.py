@@ -589,7 +589,7 @@ def test_groups_without_a_label_are_left_out_and_named_under_incomplete_skip(
         group_by=r"^(sub-\d+)/",
         labels=labels,
         incomplete="skip",
-        decode=lambda members: len(members),
+        decode=len,
         storage_options=options,
     )
     assert len(dataset) == 16
