@@ -552,3 +552,40 @@ def test_nccl_ranks_that_never_set_a_device_still_share_a_listing(tmp_path: Path
         assert [out[rank] for rank in range(2)] == [(5, 0.0), (5, 3.0)]
     finally:
         manager.shutdown()
+
+
+def test_a_slow_first_batch_and_a_compute_bound_steady_state_each_get_their_verdict() -> None:
+    """A 0.45 s first batch, then steps that never wait: the report called the whole loop
+    data-bound without saying the steady state was compute-bound."""
+    report = run(DeviceLoader(SlowStart(first=0.45, count=40), "cpu"), step=0.02)
+    assert report.bound == "data" and report.steady_bound == "compute", report.verdict
+    assert report.steady_wait_share < DATA_BOUND_ABOVE
+    assert "the first batch waited 0.4" in report.verdict
+    assert "after it the loop is compute-bound" in report.verdict, report.verdict
+
+
+def test_an_augment_that_limits_the_loop_is_named_with_advice_for_the_cores_at_hand(
+    seaweed: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm loop limited by its random crops was told "the loader itself ... try more
+    workers", on 2 cores where the docs' default is 0 workers."""
+    root = upload(f"s3://{BUCKET}/augment-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 48)
+
+    def crop(sample: np.ndarray) -> np.ndarray:
+        time.sleep(0.004)  # a random crop of a large image, say
+        return sample[:2]
+
+    dataset = fastload.RemoteDataset(
+        root, storage_options=seaweed.storage_options(), cache=Cache(tmp_path), augment=crop
+    )
+    loader = fastload.DataLoader(dataset, batch_size=8, num_workers=0, lookahead=0)
+    run(DeviceLoader(loader, "cpu"), step=0.0)  # fills the cache
+    warm = run(DeviceLoader(loader, "cpu"), step=0.0)
+    assert warm.bound == "data" and warm.cause is not None, warm.verdict
+    assert warm.cause.startswith("augment=") and "4." in warm.cause, warm.cause
+    assert warm.counters.dataset.augment.count == 48
+    assert warm.to_dict()["dataset"]["augment_total_s"] >= 48 * 0.004
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert "cores to spare" in fastload.stall._workers_advice()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert "more DataLoader workers (16 cores" in fastload.stall._workers_advice()

@@ -274,10 +274,14 @@ class _Batched(Dataset[Any]):
     def _augmented(self, item: Any) -> Any:
         augment = self.augment
         assert augment is not None
-        if self._labelled:
-            sample, label = item
-            return augment(sample), label
-        return augment(item)
+        started = time.perf_counter()
+        try:
+            if self._labelled:
+                sample, label = item
+                return augment(sample), label
+            return augment(item)
+        finally:
+            self.counters.dataset.augment.add(time.perf_counter() - started)
 
     def _index(self, index: int) -> int:
         try:  # numpy and torch integers too; int() would take 2.7 as 2 and "2" as 2

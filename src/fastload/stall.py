@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -189,7 +190,9 @@ class StallReport:
 
     ``bound`` is "data", "compute" or "unknown" (too few steps). ``wait_share`` counts the
     first batch of each pass (also reported apart, as ``first_batch_s``), so a loop that mostly
-    waited for its first batch is data-bound; ``steady_wait_share`` leaves it out. ``counters``
+    waited for its first batch is data-bound; ``steady_wait_share`` leaves it out, and
+    ``steady_bound`` is the verdict on the batches after the first (a long run that waited 4%
+    after a slow first batch is compute-bound there, and the verdict says both). ``counters``
     are the dataset/fetch/cache counters of the window (None when the loop has none).
     """
 
@@ -212,6 +215,7 @@ class StallReport:
     cause: str | None
     verdict: str
     counters: StageCounters | None = None
+    steady_bound: Bound = "unknown"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for hooks, logs, JSON): the counters' snapshot under
@@ -256,6 +260,8 @@ def stall_report(
         return report
     share, where = steps.wait_share, f"{window}: "
     first = f"{steps.first_batch_s:.2f} s" + (" in all" if steps.passes > 1 else "")
+    steady: Bound = "compute" if steps.steady_wait_share <= data_bound_above else "data"
+    report = replace(report, steady_bound=steady)
     if share <= data_bound_above:
         return replace(
             report,
@@ -266,20 +272,25 @@ def stall_report(
                 "data path would not help"
             ),
         )
-    if steps.steady_wait_share <= data_bound_above:  # only the first batch made it so
+    if steady == "compute":  # only the first batch made it so: a verdict on each
         cause = (
             f"the first batch: {first}, {steps.first_batch_s / elapsed:.0%} of the time "
-            f"({_first_batch_why(counters)}; later batches waited "
-            f"{steps.steady_wait_share:.1%} of the time)"
+            f"({_first_batch_why(counters)})"
         )
-    else:
-        cause = _cause(steps, counters)
+        verdict = (
+            f"{where}the first batch waited {first} ({_first_batch_why(counters)}), "
+            f"{steps.first_batch_s / elapsed:.0%} of the time; after it the loop is "
+            f"compute-bound: later batches waited {steps.steady_wait_share:.1%} of the time "
+            f"(p99 wait {report.wait_p99_ms:.1f} ms), so a faster data path would not help them"
+        )
+        return replace(report, bound="data", cause=cause, verdict=verdict)
+    cause = _cause(steps, counters)
     return replace(
         report,
         bound="data",
         cause=cause,
-        verdict=f"{where}data-bound: the loop waited for data {share:.1%} of the time; "
-        f"cause: {cause}",
+        verdict=f"{where}data-bound: the loop waited for data {share:.1%} of the time "
+        f"({steps.steady_wait_share:.1%} after the first batch); cause: {cause}",
     )
 
 
@@ -372,6 +383,13 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             "transform (both summed over the threads that made them); later epochs read them "
             f"back; {_write_time(cache)}"
         )
+    augment = counters.dataset.augment
+    if augment.count and augment.total >= max(matters, prepare.total):
+        return (
+            f"augment=: {augment.total:.2f} s, p50 {augment.percentile(50) * 1e3:.1f} ms per "
+            "sample, run on every read after the cache (the cache cannot keep random crops); "
+            f"a cheaper augment (or one on the device after the batch), {_workers_advice()}"
+        )
     if prepare.count and prepare.total >= matters:
         keep = (
             "the cache keeps them for later epochs (fastload warm-cache fills it beforehand)"
@@ -380,13 +398,25 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         )
         return (
             f"decode/transform: {prepare.total:.2f} s, p50 {prepare.percentile(50) * 1e3:.1f} "
-            f"ms per sample; {keep}, or add workers"
+            f"ms per sample; {keep}, {_workers_advice()}"
         )
     hit_rate = "no cache lookups" if missed is None else f"cache hit rate {1 - missed:.0%}"
     return (
         f"the loader itself ({hit_rate}): collation, worker hand-off or too few workers; "
-        "try more workers or a deeper prefetch"
+        f"a deeper prefetch, {_workers_advice()}"
     )
+
+
+def _workers_advice() -> str:
+    """More workers help where cores are free: on 2 (where the docs' default is 0 workers),
+    they take the step's cores and the hand-off costs more than they make."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) <= 2:
+        return (
+            f"or a machine with cores to spare: on this one's {cores}, DataLoader workers would "
+            "share the step's cores (its documented default here is 0 workers)"
+        )
+    return f"or more DataLoader workers ({cores} cores here)"
 
 
 def _write_time(cache: CacheStats) -> str:

@@ -186,6 +186,7 @@ class DatasetStats:
     # incomplete="skip", each with its reason
     left_out: list[str] = field(default_factory=list)
     prepare: Histogram = field(default_factory=Histogram)  # decode + transform, per object
+    augment: Histogram = field(default_factory=Histogram)  # augment=, per sample read
     # CachedDataset: the wrapped dataset making a missing sample (its own reads included)
     compute: Histogram = field(default_factory=Histogram)
     # a fastload.DataLoader worker's start: from the loader's iter() to its worker_init_fn
@@ -201,6 +202,8 @@ class DatasetStats:
             "prepare_p50_ms": self.prepare.percentile(50) * 1e3,
             "prepare_p99_ms": self.prepare.percentile(99) * 1e3,
             "prepare_total_s": self.prepare.total,
+            "augment_p50_ms": self.augment.percentile(50) * 1e3,
+            "augment_total_s": self.augment.total,
             "compute_p50_ms": self.compute.percentile(50) * 1e3,
             "compute_total_s": self.compute.total,
             "workers_started": self.worker_start.count,
