@@ -3,9 +3,13 @@
 One place for the ways a job's processes know each other: ``torch.distributed`` (when its
 process group is initialised), torch_xla's runtime (under ``torch_xla.launch``, which needs
 no process group) and, for processes outside any group (the CLI), the launcher's variables.
-The sampler shards by :func:`rank_world`; :func:`on_rank_zero` lets rank 0 list a bucket while
+The sampler shards by :func:`sharding_rank_world` (the launcher's variables until a
+process group is up); :func:`on_rank_zero` lets rank 0 list a bucket while
 the others wait and receive its result, and :func:`on_every_rank` splits work (indexing shards)
-between the ranks and hands every rank all of it.
+between the ranks and hands every rank all of it. Without a process group, the values cross
+through a store rank 0 serves (``fastload._rankstore``: signed, never pickled); there an error
+of another rank comes back as the same fastload error, and any other as a ``FastloadError``
+that names its type.
 """
 
 from __future__ import annotations
@@ -14,20 +18,22 @@ import contextlib
 import contextvars
 import itertools
 import os
-import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from fastload._rankstore import RankStore
 
 __all__ = [
     "launcher_rank_world",
     "on_every_rank",
     "on_rank_zero",
     "rank_world",
+    "sharding_rank_world",
+    "this_rank_alone",
     "this_rank_only",
     "xla_rank_world",
 ]
@@ -35,7 +41,6 @@ __all__ = [
 T = TypeVar("T")
 _calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
 _alone: contextvars.ContextVar[bool] = contextvars.ContextVar("fastload_alone", default=False)
-_WAIT = timedelta(hours=6)  # rank 0 may list a large bucket for a long time
 
 
 def _torch_distributed() -> bool:
@@ -66,6 +71,23 @@ def launcher_rank_world(environ: Mapping[str, str] = os.environ) -> tuple[int, i
     ``WORLD_SIZE``), for processes that join no process group (the CLI); else ``(0, 1)``."""
     rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
     return (int(rank), int(world)) if rank and world else (0, 1)
+
+
+def sharding_rank_world() -> tuple[int, int]:
+    """The ranks a sampler splits an epoch over: :func:`rank_world` once a process group (or
+    torch_xla's runtime) is up; before it is, or in a launched job that never makes one
+    (torchrun without ``init_process_group``), the launcher's ``RANK`` and ``WORLD_SIZE``, so
+    that its processes still split the data instead of each reading all of it. ``(0, 1)``
+    inside :func:`this_rank_only`."""
+    if _alone.get() or _torch_distributed() or _xla_runtime() is not None:
+        return rank_world()
+    return launcher_rank_world()
+
+
+def this_rank_alone() -> bool:
+    """Whether this code runs inside :func:`this_rank_only` (a sampler made there keeps
+    ``(0, 1)`` wherever it is iterated)."""
+    return _alone.get()
 
 
 @contextlib.contextmanager
@@ -169,7 +191,7 @@ def _object_group() -> Any:
     return _gloo[1]
 
 
-def _exchange(outcome: Any, tag: str) -> list[Any]:
+def _exchange(outcome: tuple[bool, Any] | None, tag: str) -> list[Any]:
     """Every rank's ``outcome`` on every rank, under torch_xla with no process group: through
     a key-value store that rank 0 serves (XLA collectives would do on TPUs, but XLA:CPU has none
     across processes). Rank 0 stays until every rank has read, then clears the keys."""
@@ -177,31 +199,32 @@ def _exchange(outcome: Any, tag: str) -> list[Any]:
     store = _store(rank)
     calls = _calls.setdefault(rank, itertools.count())
     key = f"fastload/{tag}/{next(calls)}"  # every rank makes the same calls in the same order
-    store.set(f"{key}/{rank}", pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
     keys = [f"{key}/{r}" for r in range(world)]
-    store.wait(keys, _WAIT)
-    outcomes = [outcome if r == rank else pickle.loads(store.get(k)) for r, k in enumerate(keys)]
-    store.add(f"{key}/read", 1)
+    try:
+        store.put(keys[rank], outcome)
+    except TypeError as exc:  # sent as this rank's error instead, so no rank waits for it
+        outcome = (False, exc)
+        store.put(keys[rank], outcome)
+    store.wait(keys)
+    try:
+        outcomes = [outcome if r == rank else store.take(k) for r, k in enumerate(keys)]
+    finally:  # also after a refused value, so that rank 0 clears the keys
+        store.add(f"{key}/read", 1)
     if rank == 0:
         while store.add(f"{key}/read", 0) < world:
             time.sleep(0.01)
         for k in keys:
-            store.delete_key(k)
+            store.delete(k)
     return outcomes
 
 
-_stores: dict[tuple[int, int], Any] = {}
+_stores: dict[tuple[int, int], RankStore] = {}
 
 
-def _store(rank: int) -> Any:
-    """This rank's client of the store rank 0 serves (at ``MASTER_ADDR``, else localhost, and
-    ``FASTLOAD_STORE_PORT``, else 29517); one per rank, as ranks may be threads of one process
-    (XLA:CPU, TPU v2/v3)."""
+def _store(rank: int) -> RankStore:
+    """This rank's client of the store rank 0 serves; one per rank, as ranks may be threads of
+    one process (XLA:CPU, TPU v2/v3)."""
     where = (os.getpid(), rank)
     if where not in _stores:
-        host = os.environ.get("MASTER_ADDR") or "localhost"
-        port = int(os.environ.get("FASTLOAD_STORE_PORT", "29517"))
-        _stores[where] = dist.TCPStore(  # type: ignore[attr-defined]
-            host, port, is_master=rank == 0, wait_for_workers=False, timeout=_WAIT
-        )
+        _stores[where] = RankStore(rank)
     return _stores[where]
