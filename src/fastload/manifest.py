@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -511,6 +512,7 @@ class Manifest(Sequence[Entry]):
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
+                _share_as(fd, target.parent)
                 self._write(out)
             os.replace(tmp, target)
         except BaseException:
@@ -782,6 +784,15 @@ def _check(saved: Manifest, new: Manifest, path: Path) -> ManifestChanges:
         indexes = saved.shard_indexes  # kept: each is used only for its shard's key and version
         save_listing(new if indexes is None else new.with_shard_indexes(indexes), path)
     return changes
+
+
+def _share_as(fd: int, folder: Path) -> None:
+    """A manifest saved in a folder that its group shares (group rwx and setgid: a shared
+    cache's ``manifests/``, see docs/cache.md) is its group's to read and replace too
+    (``mkstemp`` makes it 0600, which no one else could load)."""
+    mode = os.stat(folder).st_mode
+    if mode & stat.S_ISGID and mode & stat.S_IRWXG == stat.S_IRWXG:
+        os.fchmod(fd, 0o660)
 
 
 def save_listing(manifest: Manifest, path: Path) -> None:

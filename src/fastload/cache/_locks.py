@@ -19,6 +19,8 @@ import struct
 from pathlib import Path
 from typing import Union
 
+from fastload.cache._perms import PRIVATE, Modes, make_dirs, open_file
+
 __all__ = [
     "OFD_LOCKS",
     "EntryLock",
@@ -33,24 +35,14 @@ OFD_LOCKS = hasattr(fcntl, "F_OFD_SETLK")  # Linux >= 3.15; elsewhere a file per
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, length, pid
 
 
-def private_dirs(path: Path) -> None:
-    """Create ``path`` and any missing parents, each owner-only (mkdir's ``parents=True`` gives
-    the parents the default mode). Safe against other processes creating them at once."""
-    if path.is_dir():
-        return
-    private_dirs(path.parent)
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:  # made by another process meanwhile, or a file is in the way
-        if not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+private_dirs = make_dirs  # its earlier name (owner-only folders, unless given shared modes)
 
 
 class FileLock:
     """One lock file. Each instance is one holder: threads and processes exclude each other."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, *, modes: Modes = PRIVATE) -> None:
+        self.path, self.modes = path, modes
         self._fd: int | None = None
 
     def acquire(self, *, shared: bool = False, blocking: bool = True) -> bool:
@@ -82,7 +74,7 @@ class FileLock:
         self._fd = None
 
     def _open(self) -> int:
-        return _open(self.path)
+        return _open(self.path, self.modes)
 
 
 class RangeLock:
@@ -90,13 +82,13 @@ class RangeLock:
     description), so threads and processes exclude each other, and the kernel lets go when the
     holder closes it or dies. Same interface as :class:`FileLock`; the file stays."""
 
-    def __init__(self, path: str | Path, offset: int) -> None:
-        self.path, self.offset = path, offset
+    def __init__(self, path: str | Path, offset: int, *, modes: Modes = PRIVATE) -> None:
+        self.path, self.offset, self.modes = path, offset, modes
         self._fd: int | None = None
 
     def acquire(self, *, shared: bool = False, blocking: bool = True) -> bool:
         """Take the lock; False only when ``blocking`` is False and someone else holds it."""
-        fd = _open(self.path)
+        fd = _open(self.path, self.modes)
         kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
         command = fcntl.F_OFD_SETLKW if blocking else fcntl.F_OFD_SETLK
         try:
@@ -144,13 +136,12 @@ def range_held(path: Path) -> bool:
     return bool(kind != fcntl.F_UNLCK)
 
 
-def _open(path: str | Path) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+def _open(path: str | Path, modes: Modes = PRIVATE) -> int:
     try:
-        return os.open(path, flags, 0o600)
+        return open_file(path, os.O_RDWR, modes)
     except FileNotFoundError:
-        private_dirs(Path(path).parent)
-        return os.open(path, flags, 0o600)
+        make_dirs(Path(path).parent, modes)
+        return open_file(path, os.O_RDWR, modes)
 
 
 EntryLock = Union[FileLock, RangeLock]  # noqa: UP007 (a runtime alias on Python 3.10)

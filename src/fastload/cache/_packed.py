@@ -42,6 +42,7 @@ from crc32c import crc32c
 
 from fastload.cache._batch import Rows, Split
 from fastload.cache._locks import lock_whole
+from fastload.cache._perms import Modes, exists, naming, open_file
 from fastload.cache.formats import MIN_ENTRY, Encoded, FileFormat, read_at
 from fastload.errors import CorruptEntryError
 
@@ -75,8 +76,9 @@ class Where:
 class Packed:
     """The segments and index of one format under a cache root; one per ``Cache``."""
 
-    def __init__(self, root: Path, layout: FileFormat, width: int) -> None:
+    def __init__(self, root: Path, layout: FileFormat, width: int, modes: Modes) -> None:
         self.layout = layout
+        self.modes = modes  # of the segments and index shards it makes
         self.width = width  # an index shard holds the digests that start with its name
         self.suffix = layout.suffix
         self.segments = root / "segments"
@@ -253,7 +255,7 @@ class Packed:
         with self._guard():
             places = self._find_all(digests, fresh=True)
         there = {
-            segment: os.path.exists(self._segment_path(segment))
+            segment: exists(self._segment_path(segment))
             for segment in {where.segment for where in places if where is not None}
         }
         return [where is not None and there[where.segment] for where in places]
@@ -295,7 +297,7 @@ class Packed:
     def _refresh(self, shard: str) -> None:
         """Apply the shard's records appended since the last read (all of them if the file was
         replaced or is new to this process)."""
-        path = f"{self.index}/{shard}{self.suffix}"
+        path = self._index_path(shard)
         try:
             status = os.stat(path)
             if self._read_to.get(shard) == (status.st_ino, status.st_size):
@@ -389,7 +391,7 @@ class Packed:
     def _new_writer(self) -> _Writer:
         """Finish this process's segment and start one (the caller holds the lock)."""
         self._finish_writer()
-        self._writer = _Writer(self.segments, self.suffix)
+        self._writer = _Writer(self.segments, self.suffix, self.modes)
         return self._writer
 
     def remove(self, digest: str) -> None:
@@ -417,7 +419,8 @@ class Packed:
         for shard, records in by_shard.items():
             fd, inode = self._index_fd(shard)
             data = b"".join(records)
-            os.write(fd, data)
+            with naming(self._index_path(shard)):
+                os.write(fd, data)
             end = os.lseek(fd, 0, os.SEEK_CUR)  # appending: the end of what this wrote
             if self._read_to.get(shard) == (inode, end - len(data)):
                 # nothing between what was read and this: its records are known already, so
@@ -430,11 +433,12 @@ class Packed:
         segment, and the next segment opens the index again."""
         opened = self._appending.get(shard)
         if opened is None:
-            path = f"{self.index}/{shard}{self.suffix}"
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            fd = os.open(path, flags, 0o600)
+            fd = open_file(self._index_path(shard), os.O_WRONLY | os.O_APPEND, self.modes)
             opened = self._appending[shard] = (fd, os.fstat(fd).st_ino)
         return opened
+
+    def _index_path(self, shard: str) -> str:
+        return f"{self.index}/{shard}{self.suffix}"
 
     def _close_index(self) -> None:
         """Close the index shards open for appending (the caller holds the lock)."""
@@ -487,11 +491,11 @@ class _Writer:
     """This process's open segment, under a shared lock held until it is closed. Its methods
     but :meth:`write` are called under the owning ``Packed``'s lock."""
 
-    def __init__(self, folder: Path, suffix: str) -> None:
+    def __init__(self, folder: Path, suffix: str, modes: Modes) -> None:
         self.pid = os.getpid()
         self.segment = int.from_bytes(secrets.token_bytes(8), "little") or 1
-        path = folder / f"{self.segment:016x}{suffix}"
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.path = str(folder / f"{self.segment:016x}{suffix}")
+        self.fd = open_file(self.path, os.O_RDWR | os.O_EXCL, modes)
         lock_whole(self.fd, shared=True)
         self.size = 0  # bytes taken, written or not
         self.structures: dict[bytes, int] = {}  # structure record -> its offset here
@@ -522,7 +526,8 @@ class _Writer:
         written = 0
         views: Sequence[bytes | memoryview] = pending.pieces
         while True:
-            written += os.pwritev(self.fd, views[:_IOV_MAX], pending.start + written)
+            with naming(self.path):
+                written += os.pwritev(self.fd, views[:_IOV_MAX], pending.start + written)
             if written >= pending.length:
                 break
             views = _after([memoryview(p).cast("B") for p in pending.pieces], written)

@@ -29,6 +29,7 @@ thread pool, and a crop reads only the chunks it touches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import itertools
@@ -50,9 +51,9 @@ from crc32c import crc32c
 
 from fastload._extras import import_extra
 from fastload.cache._batch import Shared, Spans, Split, made_rows
-from fastload.cache._locks import private_dirs
+from fastload.cache._perms import Modes, denied, make_dir, make_dirs, naming, open_file
 from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
-from fastload.errors import CorruptEntryError, UnsupportedSampleError
+from fastload.errors import CacheError, CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
 
 __all__ = ["CHECK_BYTES", "FORMATS", "MIN_ENTRY", "Encoded", "FileFormat", "Format", "ZarrArray"]
@@ -384,9 +385,11 @@ def _values(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def _create(path: Path) -> io.BufferedWriter:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    return open(fd, "wb")
+@contextlib.contextmanager
+def _create(path: Path, modes: Modes) -> Iterator[io.BufferedWriter]:
+    """A new file of ``modes.file`` to write; an OSError writing it names it (a full disk)."""
+    with naming(path), open(open_file(path, os.O_WRONLY | os.O_EXCL, modes), "wb") as out:
+        yield out
 
 
 def _read_checked(path: str | Path) -> np.ndarray:
@@ -716,8 +719,8 @@ def _zarr_array(leaf: Leaf, index: int) -> np.ndarray:
     return _contiguous(leaf.astype(leaf.dtype.newbyteorder("<"), copy=False))
 
 
-def _write_json(path: Path, document: dict[str, Any]) -> None:
-    with _create(path) as out:
+def _write_json(path: Path, document: dict[str, Any], modes: Modes) -> None:
+    with _create(path, modes) as out:
         out.write(json.dumps(document).encode())
 
 
@@ -785,6 +788,11 @@ class ZarrArray:
             return open(self.path / key, "rb", buffering=0)
         except FileNotFoundError as exc:
             raise CorruptEntryError(f"cache entry lacks chunk {key}: {self.path}") from exc
+        except PermissionError as exc:
+            why = denied(self.path / key, writing=False)
+            raise CacheError(
+                f"cannot read chunk {key} of the cache entry {self.path}: {why}"
+            ) from exc
 
     def _read_into(self, index: tuple[int, ...], pieces: list[np.ndarray]) -> None:
         """Read an uncompressed chunk into ``pieces`` (its place in the output, in order)."""
@@ -882,11 +890,13 @@ class ZarrFormat(Format):
     suffix = ".zarr"
     directory = True
 
-    def write(self, sample: Any, name: str, path: Path) -> int:
+    def write(self, sample: Any, name: str, path: Path, modes: Modes) -> int:
+        """Write the entry as a new folder ``path``, its folders and files of ``modes``; the
+        bytes written."""
         blosc = _blosc()
         spec, values, leaves = flatten(sample)
         arrays = [_zarr_array(leaf, i) for i, leaf in enumerate(leaves)]
-        path.mkdir(mode=0o700)
+        make_dir(path, modes)
         metas, jobs = [], []
         for i, array in enumerate(arrays):
             chunks = chunk_shape(array.shape, array.dtype.itemsize)
@@ -898,11 +908,11 @@ class ZarrFormat(Format):
                 "compressed": bool(blocks) and _pays(blosc, blocks[0][1]),
             }
             metas.append(meta)
-            (path / str(i)).mkdir(mode=0o700)
-            _write_json(path / str(i) / "zarr.json", _array_meta(meta))
+            make_dir(path / str(i), modes)
+            _write_json(path / str(i) / "zarr.json", _array_meta(meta), modes)
             for index, block in blocks:
                 target = path / str(i) / _chunk_key(index)
-                private_dirs(target.parent)
+                make_dirs(target.parent, modes)
                 jobs.append((block, meta["compressed"], target))
         attributes = {
             "name": name,
@@ -912,12 +922,12 @@ class ZarrFormat(Format):
             "arrays": metas,
         }
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"fastload": attributes}}
-        _write_json(path / "zarr.json", group)
+        _write_json(path / "zarr.json", group, modes)
 
         def one(job: tuple[np.ndarray, bool, Path]) -> int:
             block, compressed, target = job
             data = _compress(blosc, block) if compressed else block.tobytes()
-            with _create(target) as out:
+            with _create(target, modes) as out:
                 out.write(data)
                 out.write(crc32c(data).to_bytes(4, "little"))
             return len(data) + 4

@@ -2,8 +2,8 @@
 
 Layout under ``root``::
 
-    fastload-cache.json   marker (layout version, shard width); a non-empty folder without it
-                          is refused
+    fastload-cache.json   marker (layout version, shard width, shared or private: see
+                          cache/_perms.py); a non-empty folder without it is refused
     CACHEDIR.TAG          tells backup tools to skip the folder
     segments/<id><suffix>            pt and npy entries, many to a file (see cache/_packed.py)
     index/<a><suffix>                where each pt or npy entry is in the segments
@@ -45,8 +45,19 @@ from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Literal
 
-from fastload.cache._locks import OFD_LOCKS, EntryLock, FileLock, RangeLock, private_dirs
+from fastload.cache._locks import OFD_LOCKS, EntryLock, FileLock, RangeLock
 from fastload.cache._packed import SEGMENT_BYTES, Entry, Packed
+from fastload.cache._perms import (
+    PRIVATE,
+    SHARED,
+    Modes,
+    denied,
+    exists,
+    make_dir,
+    make_dirs,
+    naming,
+    open_file,
+)
 from fastload.cache._tree import unflatten
 from fastload.cache.formats import (
     CHECK_BYTES,
@@ -120,10 +131,12 @@ class _Unrecorded:
     def __init__(self) -> None:
         self._pid = -1
 
-    def add(self, path: Path, delta: int) -> int:
-        """Add ``delta`` to ``path``'s; the bytes now unrecorded there."""
+    def add(self, path: Path, delta: int, modes: Modes) -> int:
+        """Add ``delta`` to ``path``'s (a usage file of a cache of ``modes``); the bytes now
+        unrecorded there."""
         with self._own():
             self._bytes[path] = self._bytes.get(path, 0) + delta
+            self._modes[path] = modes
             return self._bytes[path]
 
     def take(self, path: Path) -> int:
@@ -135,6 +148,7 @@ class _Unrecorded:
         if self._pid != os.getpid():
             self._pid, self._lock = os.getpid(), threading.Lock()
             self._bytes: dict[Path, int] = {}
+            self._modes: dict[Path, Modes] = {}
             Finalize(None, self._record_all, exitpriority=0)  # at exit, in this process only
         return self._lock
 
@@ -142,7 +156,8 @@ class _Unrecorded:
         with self._own():
             pending, self._bytes = self._bytes, {}
         for path, count in pending.items():  # a thread of this process may hold the lock
-            with contextlib.suppress(Exception), _usage_file(path, _no_count, 2.0) as state:
+            modes = self._modes.get(path, PRIVATE)
+            with contextlib.suppress(Exception), _usage_file(path, _no_count, modes, 2.0) as state:
                 state[0] += count
 
 
@@ -168,6 +183,14 @@ class Cache:
     ``read_only``: True reads entries and never writes (misses are computed and served, not
     stored), for a warmed cache on a read-only mount; None (default) does so, with a warning,
     when the folder holds a cache and cannot be written; False requires a writable folder.
+
+    ``shared``: True makes a cache that every member of its folder's group uses as its maker
+    does (folders 2770, files 0660; see docs/cache.md, "Sharing a cache between users or
+    jobs"); False, a cache of its maker's alone (folders 0700, files 0600). The cache's marker
+    records which, and every later process keeps to it: None (default) takes what the marker
+    says (private for a new cache), True or False require it (else ConfigError). A folder or
+    file this process may not use is a :class:`CacheError` naming it and the permission
+    missing (read, write or traverse), from here and from every later call.
     """
 
     def __init__(
@@ -177,12 +200,15 @@ class Cache:
         format: CacheFormat = "npy",
         max_bytes: int | None = None,
         read_only: bool | None = None,
+        shared: bool | None = None,
     ) -> None:
         if format not in FORMATS:
             raise ConfigError(f"Cache format must be one of {sorted(FORMATS)}, got {format!r}")
         ok = max_bytes is None or (type(max_bytes) is int and max_bytes > 0)
         if not ok:
             raise ConfigError(f"Cache.max_bytes must be None or an int > 0, got {max_bytes!r}")
+        if shared is not None and type(shared) is not bool:
+            raise ConfigError(f"Cache.shared must be None, True or False, got {shared!r}")
         self.root = Path(root).expanduser().absolute()
         self.format: CacheFormat = format
         self.max_bytes = max_bytes
@@ -194,18 +220,22 @@ class Cache:
         self._usage_path = self.root / f"usage-{format}"
         self._warned: set[str] = set()
         self._full_until = self._full_warned = -_FULL_WARN_EVERY  # time.monotonic()
-        self.read_only = bool(read_only) or (read_only is None and self._unwritable())
-        if self.read_only:
-            self._check_cache()
-            if not read_only:
-                log.warning("%s cannot be written: the cache is read only", self.root)
-        else:
-            self._prepare()
-        self._packed = self._segments()
-        self._adopt_budget(max_bytes)
-        # pt/npy entries of an earlier version (a file each) were here when this Cache was
-        # opened: a miss looks for one, a write replaces one (else neither costs a syscall)
-        self._legacy = self._packed is None or any(True for _ in self._files())
+        self._modes = PRIVATE  # until the marker says
+        self.read_only = bool(read_only)
+        with self._own_files("open the cache"):
+            self.read_only = self.read_only or (read_only is None and self._unwritable())
+            if self.read_only:
+                self._check_cache()
+                if not read_only:
+                    log.warning("%s cannot be written: the cache is read only", self.root)
+            else:
+                self._prepare(SHARED if shared else PRIVATE)
+            self._keeps(shared)
+            self._packed = self._segments()
+            self._adopt_budget(max_bytes)
+            # pt/npy entries of an earlier version (a file each) were here when this Cache was
+            # opened: a miss looks for one, a write replaces one (else neither costs a syscall)
+            self._legacy = self._packed is None or any(True for _ in self._files())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -221,13 +251,15 @@ class Cache:
         layout = self._layout
         if not isinstance(layout, FileFormat):
             return None
-        return Packed(self.root, layout, self._shard_width)
+        return Packed(self.root, layout, self._shard_width, self._modes)
 
     def __bool__(self) -> bool:
         return True  # a handle: ``if cache:`` must not count the entries on disk
 
     def __repr__(self) -> str:
-        extra = ", read_only=True" if self.read_only else ""
+        extra = (", read_only=True" if self.read_only else "") + (
+            ", shared=True" if self._modes.shared else ""
+        )
         return (
             f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes}{extra})"
         )
@@ -239,10 +271,11 @@ class Cache:
 
     # --- setup --------------------------------------------------------------------------------
 
-    def _prepare(self) -> None:
+    def _prepare(self, made: Modes) -> None:
+        """Make the cache (of ``made`` modes) unless the folder holds one; make its subfolders."""
         marker = self.root / _MARKER
         try:
-            private_dirs(self.root)
+            make_dirs(self.root, made)
             if not marker.exists():
                 names = os.listdir(self.root)  # the marker comes before all but _being_made
                 if not marker.exists() and not all(_being_made(name) for name in names):
@@ -250,20 +283,61 @@ class Cache:
                         f"{self.root} is not empty and is not a fastload cache; "
                         "choose a new or empty directory"
                     )
-                _atomic_text(self.root / "CACHEDIR.TAG", _TAG)
-                _atomic_text(marker, json.dumps({"layout": _LAYOUT, "shard_width": _SHARD_WIDTH}))
+                if made.shared:
+                    self._share_root()
+                _atomic_text(self.root / "CACHEDIR.TAG", _TAG, made)
+                about = {"layout": _LAYOUT, "shard_width": _SHARD_WIDTH, "shared": made.shared}
+                _atomic_text(marker, json.dumps(about), made)
             self._read_marker(marker)
-            for sub in _SUBDIRS:
+            for sub in (*_SUBDIRS, "manifests"):  # the datasets' saved listings go in manifests/
                 with contextlib.suppress(FileExistsError):
-                    (self.root / sub).mkdir(mode=0o700)
+                    make_dir(self.root / sub, self._modes)
             self._check_subdirs()
-        except (OSError, ValueError) as exc:
-            if isinstance(exc, CacheError):
-                raise
+        except CacheError:
+            raise
+        except OSError as exc:
+            raise self._error(exc, f"use {self.root} as a cache") from exc
+        except ValueError as exc:
             raise CacheError(f"cannot use {self.root} as a cache ({_why(exc)})") from exc
-        if not os.access(self.root / "tmp", os.W_OK):
-            raise CacheError(f"cache directory is not writable: {self.root}")
+        self._check_access()
         self._remove_stale_tmp()
+
+    def _share_root(self) -> None:
+        """A shared cache's folder is its group's to read, write and traverse, and hands its
+        group down (setgid): add what a folder made before the cache lacks."""
+        mode = stat.S_IMODE(os.stat(self.root).st_mode)
+        if mode | SHARED.folder == mode:
+            return
+        try:
+            os.chmod(self.root, mode | SHARED.folder)
+        except PermissionError as exc:
+            raise CacheError(
+                f"a shared cache's folder must be its group's to read, write and traverse and "
+                f"hand its group down (chmod g+rwxs): {self.root} has mode {mode:04o}, which "
+                "only its owner can change"
+            ) from exc
+
+    def _check_access(self) -> None:
+        """The cache's folders are this process's to read and traverse (and write, unless read
+        only), or a CacheError names the first that is not and the permission missing: now,
+        once per open, rather than at some later write."""
+        need = os.R_OK | os.X_OK | (0 if self.read_only else os.W_OK)
+        for folder in (self.root, *(self.root / sub for sub in _SUBDIRS)):
+            if not os.access(folder, need) and os.path.lexists(folder):
+                why = denied(folder, writing=not self.read_only)
+                kind = "readable" if self.read_only else "writable"
+                raise CacheError(f"cache directory is not {kind}: {why}")
+
+    def _keeps(self, shared: bool | None) -> None:
+        """``shared`` (when given) is what the marker says the cache is."""
+        if shared is None or shared == self._modes.shared:
+            return
+        made = "shared with its group" if self._modes.shared else "private to its maker"
+        raise ConfigError(
+            f"{self.root} holds a cache {made}, and its marker keeps it so for every process: "
+            f"Cache(shared={shared}) cannot change that (leave shared out, or make a new cache "
+            "folder)"
+        )
 
     def _adopt_budget(self, max_bytes: int | None) -> None:
         """Keep to the directory's budget, or record ``max_bytes`` as its budget."""
@@ -291,24 +365,33 @@ class Cache:
         return (self.root / _MARKER).is_file() and tmp.is_dir() and not os.access(tmp, os.W_OK)
 
     def _check_cache(self) -> None:
-        """What a read-only cache needs: the marker of this layout and real subfolders."""
+        """What a read-only cache needs: the marker of this layout, real subfolders, and
+        leave to read them."""
         try:
             self._read_marker(self.root / _MARKER)
+        except (CacheError, PermissionError):
+            raise
         except (OSError, ValueError) as exc:
-            if isinstance(exc, CacheError):
-                raise
             raise CacheError(f"{self.root} is not a fastload cache ({_why(exc)})") from exc
         self._check_subdirs()
+        self._check_access()
 
     def _read_marker(self, marker: Path) -> None:
-        """This layout's marker: its shard width, or a CacheError."""
+        """This layout's marker: its shard width and modes (a cache made before 2026-11-28 is
+        private), or a CacheError."""
         found = json.loads(marker.read_text())
         if not isinstance(found, dict):
             found = {}
         width = found.get("shard_width", _OLD_SHARD_WIDTH)
-        if found.get("layout") != _LAYOUT or width not in (_SHARD_WIDTH, _OLD_SHARD_WIDTH):
+        shared = found.get("shared", False)
+        if (
+            found.get("layout") != _LAYOUT
+            or width not in (_SHARD_WIDTH, _OLD_SHARD_WIDTH)
+            or type(shared) is not bool
+        ):
             raise CacheError(f"{self.root} holds a cache of another fastload layout")
         self._shard_width: int = width
+        self._modes = SHARED if shared else PRIVATE
 
     def _writable(self, what: str) -> None:
         if self.read_only:
@@ -370,8 +453,8 @@ class Cache:
         if OFD_LOCKS:
             width = self._shard_width
             offset = int(digest[width : width + 8], 16)
-            return RangeLock(f"{self._lock_root}/{digest[:width]}.lock", offset)
-        return FileLock(Path(self._lock_root, digest[:2], f"{digest}.lock"))
+            return RangeLock(f"{self._lock_root}/{digest[:width]}.lock", offset, modes=self._modes)
+        return FileLock(Path(self._lock_root, digest[:2], f"{digest}.lock"), modes=self._modes)
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -497,11 +580,12 @@ class Cache:
         """Whether each name has an entry (a batch's lookahead check: the index is looked at
         once for all of them)."""
         digests = [self._digest(name) for name in names]
-        held = [False] * len(digests) if self._packed is None else self._packed.holds(digests)
-        return [
-            there or (self._legacy and os.path.exists(self._path(digest)))
-            for there, digest in zip(held, digests, strict=True)
-        ]
+        with self._own_files("look up cache entries"):
+            held = [False] * len(digests) if self._packed is None else self._packed.holds(digests)
+            return [
+                there or (self._legacy and exists(self._path(digest)))
+                for there, digest in zip(held, digests, strict=True)
+            ]
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[Any]:
@@ -514,13 +598,15 @@ class Cache:
         digest = self._digest(name)
         lock = self._lock(digest)
         if not self.read_only:
-            lock.acquire(shared=True)
+            with self._own_files(f"lock the cache entry for {name}"):
+                lock.acquire(shared=True)
         try:
-            try:
-                spec, values, arrays = self._layout.arrays(self._path(digest))
-            except FileNotFoundError:
-                self._count(False)
-                raise KeyError(name) from None
+            with self._own_files(f"read the cache entry for {name}"):
+                try:
+                    spec, values, arrays = self._layout.arrays(self._path(digest))
+                except FileNotFoundError:
+                    self._count(False)
+                    raise KeyError(name) from None
             self._count(True)
             yield unflatten(spec, list(arrays), values)  # type: ignore[arg-type]
         finally:
@@ -530,13 +616,30 @@ class Cache:
     @contextlib.contextmanager
     def _own_files(self, what: str) -> Iterator[None]:
         """An OSError of the cache's own files that the code inside does not handle (a file
-        where a folder should be, EIO, EACCES) raised as the CacheError naming the cache."""
+        where a folder should be, EIO, EACCES, ENOSPC) raised as the CacheError naming the
+        cache and the path (see :meth:`_error`). Never around a caller's code (``compute``,
+        the body of ``open``): its own OSErrors are its own."""
         try:
             yield
         except CacheError:
             raise
         except OSError as exc:
-            raise CacheError(f"cannot {what} in {self.root} ({_why(exc)})") from exc
+            raise self._error(exc, f"{what} in {self.root}") from exc
+
+    def _error(self, exc: OSError, doing: str) -> CacheError:
+        """``exc``, met while ``doing`` (what the message says could not be done), as the
+        CacheError that names the file or folder: a refusal (EACCES, EPERM) says which
+        permission this process lacks on which path; a full disk or quota is a
+        :class:`CacheFullError`. Its ``errno`` is the one met."""
+        kind = CacheFullError if exc.errno in _FULL else CacheError
+        if isinstance(exc, PermissionError):
+            why = denied(exc.filename or self.root, writing=not self.read_only)
+            error = kind(f"cannot {doing}: {why}")
+        else:
+            at = f": {exc.filename}" if exc.filename else ""
+            error = kind(f"cannot {doing} ({_why(exc)}){at}")
+        error.errno = exc.errno
+        return error
 
     def _count(self, hit: bool) -> None:
         if hit:
@@ -678,7 +781,8 @@ class Cache:
         # a segment entry is an append and its record: no lock (the last one wins)
         lock = None if self._packed is not None else self._lock(digest)
         if lock is not None:
-            lock.acquire()
+            with self._own_files(f"lock the cache entry for {name}"):
+                lock.acquire()
         try:
             refused = self._store_all([(digest, name, sample)])
         finally:
@@ -745,13 +849,13 @@ class Cache:
         tmp = self.root / "tmp" / f"{digest}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             assert isinstance(self._layout, ZarrFormat)  # pt and npy: segments, above
-            size = self._layout.write(sample, name, tmp)
+            size = self._layout.write(sample, name, tmp, self._modes)
             if self.max_bytes is not None and size > self.max_bytes:
                 self.counters.oversize += 1
                 self._warn_once(name, f"not cached: {size} bytes exceed max_bytes={self.max_bytes}")
                 return
             path = self._path(digest)
-            private_dirs(Path(path).parent)
+            make_dirs(Path(path).parent, self._modes)
             if not self._in_root(path):
                 raise CacheError(
                     f"{os.path.dirname(path)} is a symlink; the cache will not follow it"
@@ -801,7 +905,7 @@ class Cache:
         try:
             size = self._packed.append(entries, limit)
             stale = sum(self._remove_legacy(digest) for digest, _ in entries) if self._legacy else 0
-            pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale)
+            pending = _UNRECORDED_BYTES.add(self._usage_path, size - stale, self._modes)
             if self.max_bytes is not None or pending >= _UNRECORDED:
                 with self._usage() as used:
                     self.max_bytes = used[1] or None  # the folder's, as another process set it
@@ -815,8 +919,7 @@ class Cache:
         return refused
 
     def _write_error(self, exc: OSError, what: str) -> CacheError:
-        kind = CacheFullError if exc.errno in _FULL else CacheError
-        return kind(f"cannot write the cache entry for {what} in {self.root} ({_why(exc)})")
+        return self._error(exc, f"write the cache entry for {what} in {self.root}")
 
     def _remove_legacy(self, digest: str) -> int:
         """Delete the entry an earlier version wrote as a file of its own; the bytes freed."""
@@ -837,7 +940,7 @@ class Cache:
         never written)."""
         path = self._usage_path
         if not self.read_only:
-            with _usage_file(path, self._scan_bytes) as state:
+            with _usage_file(path, self._scan_bytes, self._modes) as state:
                 state[0] += _UNRECORDED_BYTES.take(self._usage_path)
                 yield state
             return
@@ -920,53 +1023,56 @@ class Cache:
 
     def stats(self) -> dict[str, float | int | None]:
         """This process's counters plus the bytes in the cache and the budget."""
-        with self._usage() as used:
+        with self._own_files("read the cache's usage"), self._usage() as used:
             size, self.max_bytes = used[0], used[1] or None
         return {**self.counters.snapshot(), "used_bytes": size, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
-        packed = 0 if self._packed is None else self._packed.count()
-        return packed + sum(1 for _ in self._files())  # no sizes needed: no stat per entry
+        with self._own_files("count the cache's entries"):
+            packed = 0 if self._packed is None else self._packed.count()
+            return packed + sum(1 for _ in self._files())  # no sizes needed: no stat per entry
 
     def delete(self, name: str) -> bool:
         """Remove ``name``'s entry; False when there was none."""
         self._writable(f"delete {name}")
         digest = self._digest(name)
-        lock = self._lock(digest)
-        path = self._path(digest)
-        lock.acquire()
-        try:
-            packed = self._packed is not None and self._packed.holds([digest])[0]
-            if packed and self._packed is not None:
-                self._packed.remove(digest)  # its bytes go with their segment
-            freed = _remove(path) if self._in_root(path) else 0
-        finally:
-            lock.release(remove=True)
-        self._add_usage(-freed)
-        return packed or freed > 0
+        with self._own_files(f"delete the cache entry for {name}"):
+            lock = self._lock(digest)
+            path = self._path(digest)
+            lock.acquire()
+            try:
+                packed = self._packed is not None and self._packed.holds([digest])[0]
+                if packed and self._packed is not None:
+                    self._packed.remove(digest)  # its bytes go with their segment
+                freed = _remove(path) if self._in_root(path) else 0
+            finally:
+                lock.release(remove=True)
+            self._add_usage(-freed)
+            return packed or freed > 0
 
     def verify(self) -> VerifyReport:
         """Read every entry in full; delete the corrupt ones (they are recomputed on next use)."""
-        report = VerifyReport()
-        for entry in self._entries():
-            if entry.segment:
-                continue  # its entries are checked one by one below
-            report.checked += 1
-            try:
-                self._read(entry.digest, entry.path)
-            except FileNotFoundError:
-                continue
-            except CorruptEntryError as exc:
-                report.corrupt.append(self._name_of(entry.path))
-                report.removed_bytes += entry.size
-                self._discard_file(entry.digest, entry.path, exc)
-        if self._packed is not None:
-            self._verify_packed(report)
-        if not self.read_only:
-            self._remove_stale_tmp()
-        with self._usage() as used:
-            used[0] = self._scan_bytes()
-        return report
+        with self._own_files("verify the cache"):
+            report = VerifyReport()
+            for entry in self._entries():
+                if entry.segment:
+                    continue  # its entries are checked one by one below
+                report.checked += 1
+                try:
+                    self._read(entry.digest, entry.path)
+                except FileNotFoundError:
+                    continue
+                except CorruptEntryError as exc:
+                    report.corrupt.append(self._name_of(entry.path))
+                    report.removed_bytes += entry.size
+                    self._discard_file(entry.digest, entry.path, exc)
+            if self._packed is not None:
+                self._verify_packed(report)
+            if not self.read_only:
+                self._remove_stale_tmp()
+            with self._usage() as used:
+                used[0] = self._scan_bytes()
+            return report
 
     def _verify_packed(self, report: VerifyReport) -> None:
         assert self._packed is not None
@@ -997,7 +1103,7 @@ class Cache:
                 f"Cache.prune max_bytes must be None or an int >= 0, got {max_bytes!r}"
             )
         before = self.counters.evictions
-        with self._usage() as used:
+        with self._own_files("prune the cache"), self._usage() as used:
             target = (used[1] or None) if max_bytes is None else max_bytes
             if target is None:
                 raise ConfigError("Cache.prune needs max_bytes (this cache has no budget)")
@@ -1008,20 +1114,31 @@ class Cache:
         """Remove every entry of every format (the directory stays a fastload cache); every
         format's byte count goes back to zero with them."""
         self._writable("clear")
-        self._check_subdirs()
-        self._full_until = -_FULL_WARN_EVERY  # room again: reads store at once
-        _UNRECORDED_BYTES.take(self._usage_path)  # those bytes go too
-        if self._packed is not None:
-            self._packed.close()
-            self._packed = self._segments()
+        with self._own_files("clear the cache"):
+            self._check_subdirs()
+            self._full_until = -_FULL_WARN_EVERY  # room again: reads store at once
+            _UNRECORDED_BYTES.take(self._usage_path)  # those bytes go too
+            if self._packed is not None:
+                self._packed.close()
+                self._packed = self._segments()
+            self._clear_all()
+
+    def _clear_all(self) -> None:
+        """Empty the entries' folders and zero every format's count, under their locks."""
         counters = sorted(self.root.glob("usage-*"))
-        locks = [FileLock(path) for path in counters]
+        locks = [FileLock(path, modes=self._modes) for path in counters]
         for lock in locks:  # in name order: two clears never wait on each other
             lock.acquire()
         try:
             for sub in ("entries", "locks", "segments", "index"):
-                shutil.rmtree(self.root / sub, ignore_errors=True)
-                (self.root / sub).mkdir(mode=0o700)
+                folder = self.root / sub
+                shutil.rmtree(folder, ignore_errors=True)
+                try:
+                    make_dir(folder, self._modes)
+                except FileExistsError:
+                    raise CacheError(
+                        f"cannot clear the cache in {self.root}: {_stuck(folder)}"
+                    ) from None
             for path in counters:
                 fd = os.open(path, os.O_RDWR)
                 try:
@@ -1042,12 +1159,12 @@ def _refused(error: UnsupportedSampleError, name: str) -> UnsupportedSampleError
 
 @contextlib.contextmanager
 def _usage_file(
-    path: Path, scan: Callable[[], int], patience: float | None = None
+    path: Path, scan: Callable[[], int], modes: Modes, patience: float | None = None
 ) -> Iterator[list[int]]:
-    """``[bytes, budget]`` in the usage file ``path``, written back in place under its lock;
-    ``scan`` counts the bytes when the file holds no count. ``patience``: seconds to wait for
-    the lock before TimeoutError (None: as long as it takes)."""
-    lock = FileLock(path)
+    """``[bytes, budget]`` in the usage file ``path`` (made of ``modes`` when missing), written
+    back in place under its lock; ``scan`` counts the bytes when the file holds no count.
+    ``patience``: seconds to wait for the lock before TimeoutError (None: as long as it takes)."""
+    lock = FileLock(path, modes=modes)
     if patience is None:
         lock.acquire()
     else:
@@ -1061,7 +1178,8 @@ def _usage_file(
         try:
             state = _parse_usage(os.pread(fd, 64, 0), scan)
             yield state
-            os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
+            with naming(path):  # a full disk, for a new file
+                os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
         finally:
             os.close(fd)
     finally:
@@ -1099,12 +1217,25 @@ def _being_made(name: str) -> bool:
     return name == "CACHEDIR.TAG" or name.startswith(("CACHEDIR.TAG.", f"{_MARKER}."))
 
 
-def _atomic_text(path: Path, text: str) -> None:
+def _atomic_text(path: Path, text: str, modes: Modes) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w") as out:
+    with naming(tmp), open(open_file(tmp, os.O_WRONLY | os.O_TRUNC, modes), "w") as out:
         out.write(text)
     os.replace(tmp, path)
+
+
+def _stuck(folder: Path) -> str:
+    """Why ``folder`` is still there after ``rmtree``: the first folder in it that this process
+    may not empty, and the permission it lacks."""
+    refused: list[OSError] = []
+    for here, _, _ in os.walk(folder, onerror=refused.append):
+        if refused:
+            break
+        if not os.access(here, os.R_OK | os.W_OK | os.X_OK):
+            return denied(here, writing=True)
+    if refused:
+        return denied(refused[0].filename or folder, writing=True)
+    return f"{folder} is not empty (another process wrote in it meanwhile)"
 
 
 def _real_dir(path: str | Path) -> bool:
