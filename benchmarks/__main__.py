@@ -26,6 +26,7 @@ from benchmarks import (
     sampler,
     stall,
     stores,
+    tails,
     volumes,
 )
 
@@ -44,6 +45,7 @@ SCENARIOS = {
     "groups": groups.run_groups,
     "dicom": groups.run_dicom,
     "parquet": parquet.run_parquet,
+    "tails": tails.run_tails,
 }
 RESULTS = Path(__file__).with_name("results")
 

@@ -9,7 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmarks import cache, gpu, groups, limit, parquet, peers, sampler, stall, stores, volumes
+from benchmarks import (
+    cache,
+    gpu,
+    groups,
+    limit,
+    parquet,
+    peers,
+    sampler,
+    stall,
+    stores,
+    tails,
+    volumes,
+)
 
 pytestmark = pytest.mark.bench  # about 5 minutes of test time: `-m "not bench"` for a quick loop
 
@@ -35,6 +47,12 @@ def test_fetch_benchmark_compares_every_client() -> None:
     assert len(rows) == 5
     assert all(row["GETs/s (median)"] > 0 for row in rows)
     assert max(row["vs best s3fs"] for row in rows if row["client"].startswith("s3fs")) == 1
+
+
+def test_tails_benchmark_reports_every_reader() -> None:
+    rows = tails.tail_rows(40, 1, progress=lambda _: None)
+    assert [row["reader"].split(",")[0] for row in rows] == ["no tails", "tails", "tails", "tails"]
+    assert rows[0]["vs no tails"] == 1 and all(row["cold samples/s (median)"] > 0 for row in rows)
 
 
 def test_manifest_benchmark_lists_and_persists() -> None:

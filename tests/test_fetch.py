@@ -50,7 +50,7 @@ def test_retries_run_out_into_a_named_transient_error(
     url = next(iter(objects))
     fetcher = Fetcher(
         seaweed.storage_options(proxy.endpoint),
-        FetchConfig(retries=2, outage_budget=0, fast_path=fast_path),
+        FetchConfig(hedge_budget=0, retries=2, outage_budget=0, fast_path=fast_path),
     )
     with pytest.raises(TransientStoreError) as info:
         fetcher.fetch([url])
@@ -67,7 +67,7 @@ def test_a_stalled_request_times_out_and_is_retried(
     url = next(iter(objects))
     fetcher = Fetcher(
         seaweed.storage_options(proxy.endpoint),
-        FetchConfig(timeout=0.3, retries=1, outage_budget=0),
+        FetchConfig(hedge_budget=0, timeout=0.3, retries=1, outage_budget=0),
     )
     with pytest.raises(TransientStoreError, match=r"nothing received for 0\.3 s"):
         fetcher.fetch([url])
@@ -99,7 +99,9 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
     body = os.urandom(4_500_000)
     url = f"{route[:2]}://{BUCKET}/slow-{uuid.uuid4().hex[:8]}.bin"
     filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
-    config = FetchConfig(timeout=3.0, retries=0, outage_budget=0, fast_path=route != "s3-s3fs")
+    config = FetchConfig(
+        hedge_budget=0, timeout=3.0, retries=0, outage_budget=0, fast_path=route != "s3-s3fs"
+    )
     with FaultProxy(server.endpoint, flavor={"b2": "b2", "gs": "gcs"}.get(route, "s3")) as proxy:
         fetcher = Fetcher(server.storage_options(proxy.endpoint), config)
         fetcher.fetch([Request(url, 0, 10)])  # clients made and signed in: not what is timed
@@ -118,7 +120,7 @@ def test_bodies_are_bytes_unless_buffers_are_asked_for(
     """Users get ``bytes``; the shard readers ask for obstore's own buffer (no copy of a
     15 MB chunk), which stays valid after the fetcher is gone."""
     urls = sorted(objects)[:4]
-    fetcher = Fetcher(seaweed.storage_options(), FetchConfig(fast_path=fast_path))
+    fetcher = Fetcher(seaweed.storage_options(), FetchConfig(hedge_budget=0, fast_path=fast_path))
     sized = [Request(u, size=len(objects[u])) for u in urls]  # known length: read whole
     bodies = fetcher.fetch([*urls, *sized, Request(urls[0], 10, 20, size=len(objects[urls[0]]))])
     assert [type(b) for b in bodies] == [bytes] * 9
@@ -155,7 +157,7 @@ def test_reads_obstore_serves_never_import_s3fs(
 def test_short_bodies_are_caught_by_the_expected_size(tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"12345")
-    fetcher = Fetcher(config=FetchConfig(retries=1, outage_budget=0, backoff=0.001))
+    fetcher = Fetcher(config=FetchConfig(hedge_budget=0, retries=1, outage_budget=0, backoff=0.001))
     with pytest.raises(TransientStoreError, match=r"truncated body \(5 of 9 bytes\)"):
         fetcher.fetch([Request(str(path), size=9)])
     assert fetcher.counters.retries == 1
@@ -168,7 +170,7 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
         (tmp_path / f"{i}.bin").write_bytes(b"12345")
     bad = Request(str(tmp_path / "3.bin"), size=9)  # always short: the object, not the store
     good = [Request(str(tmp_path / f"{i}.bin"), size=5) for i in range(6) if i != 3]
-    config = FetchConfig(retries=2, backoff=0.05, quarantine=60.0)
+    config = FetchConfig(hedge_budget=0, retries=2, backoff=0.05, quarantine=60.0)
     fetcher = Fetcher(config=config)
     out = fetcher.fetch([*good, bad], return_exceptions=True)
     assert out[:5] == [b"12345"] * 5
@@ -179,7 +181,7 @@ def test_an_object_failing_while_the_store_answers_others_is_quarantined(tmp_pat
     with pytest.raises(TransientStoreError, match=r"quarantined.*3\.bin"):
         fetcher.fetch([bad])
     assert fetcher.counters.requests == requests  # no request while it is in quarantine
-    alone = Fetcher(config=FetchConfig(retries=2, outage_budget=0.5, backoff=0.05))
+    alone = Fetcher(config=FetchConfig(hedge_budget=0, retries=2, outage_budget=0.5, backoff=0.05))
     with pytest.raises(TransientStoreError, match=r"truncated body"):
         alone.fetch([bad])  # the store never answered: no outage to wait out
     assert alone.counters.outage_retries == 0 and alone.counters.retries == 2
@@ -219,7 +221,7 @@ def test_a_straggler_an_outage_meets_at_its_onset_is_waited_for_not_quarantined(
     to ask."""
     store = _OutageAtOnset(outage=0.5)
     monkeypatch.setattr(fetcher_module, "open_store", lambda *args, **kwargs: store)
-    config = FetchConfig(retries=2, backoff=0.01, max_backoff=0.05, quarantine=60.0)
+    config = FetchConfig(hedge_budget=0, retries=2, backoff=0.01, max_backoff=0.05, quarantine=60.0)
     fetcher = Fetcher(config=config)
     urls = [f"s3://b/ok{i}" for i in range(4)] + ["s3://b/slow"]
     assert fetcher.fetch(urls) == [b"abcde"] * 5
@@ -236,7 +238,9 @@ def test_an_object_that_stalls_beside_a_working_store_is_given_up_after_three_st
         good.append(Request(str(tmp_path / f"{i}.bin"), size=5))
     stuck = tmp_path / "stuck.bin"
     os.mkfifo(stuck)
-    fetcher = Fetcher(config=FetchConfig(timeout=0.3, retries=6, backoff=0.01, quarantine=60))
+    fetcher = Fetcher(
+        config=FetchConfig(hedge_budget=0, timeout=0.3, retries=6, backoff=0.01, quarantine=60)
+    )
     try:
         out = fetcher.fetch([*good, Request(str(stuck), size=5)], return_exceptions=True)
     finally:  # let the abandoned readers' open() return
@@ -254,7 +258,7 @@ def test_results_keep_request_order_and_errors_stay_in_their_slot(tmp_path: Path
         (tmp_path / f"{i}.bin").write_bytes(str(i).encode())
     urls = [str(tmp_path / f"{i}.bin") for i in range(50)]
     urls.insert(7, str(tmp_path / "missing.bin"))
-    results = fetch(urls, config=FetchConfig(concurrency=4), return_exceptions=True)
+    results = fetch(urls, config=FetchConfig(hedge_budget=0, concurrency=4), return_exceptions=True)
     assert isinstance(results.pop(7), ObjectNotFoundError)
     assert results == [str(i).encode() for i in range(50)]
 
@@ -334,17 +338,51 @@ def test_a_range_answered_with_more_bytes_than_asked_is_retried_never_used(
     with FaultProxy(server.endpoint, flavor=flavor) as proxy:
         fetcher = Fetcher(
             server.storage_options(proxy.endpoint),
-            FetchConfig(retries=2, outage_budget=0, backoff=0.01, fast_path=fast_path),
+            FetchConfig(
+                hedge_budget=0, retries=2, outage_budget=0, backoff=0.01, fast_path=fast_path
+            ),
         )
         proxy.set_faults(Faults(overlong=1.0, methods=("GET",)))
         with pytest.raises(TransientStoreError) as info:
             fetcher.fetch([Request(url, start=0, end=100)])
         assert info.value.url == url
         assert "164 bytes" in str(info.value)
-        # every other answer overlong: the retried read gives exactly the bytes asked for
-        proxy.set_faults(Faults(overlong=0.5, methods=("GET",), seed=3))
+        # some answers overlong: the retried read gives exactly the bytes asked for
+        fetcher = Fetcher(
+            server.storage_options(proxy.endpoint),
+            FetchConfig(
+                hedge_budget=0, retries=12, outage_budget=0, backoff=0.01, fast_path=fast_path
+            ),
+        )
+        proxy.set_faults(Faults(overlong=0.3, methods=("GET",), seed=3))
         got = fetcher.fetch([Request(url, start=s, end=s + 100) for s in (0, 50, 200)] * 4)
         assert got == [body[s : s + 100] for s in (0, 50, 200)] * 4
         assert proxy.counters()["overlong"] > 0
         tail = fetcher.fetch([Request(url, start=-40)] * 4)
         assert tail == [body[-40:]] * 4
+
+
+def test_the_slow_tail_is_hedged_by_observed_latency_within_its_budget(
+    seaweed: S3Server, proxy: FaultProxy
+) -> None:
+    """No hedge_after set (the default): after 64 reads the fetcher hedges a read slower than
+    twice their p90, at most hedge_budget (5%) of requests (+ a burst of 8)."""
+    prefix = f"{BUCKET}/tail-{uuid.uuid4().hex[:8]}"
+    data = {f"s3://{prefix}/{i:04d}": os.urandom(5000 + i) for i in range(400)}
+    filesystem("s3://x", seaweed.storage_options()).pipe(
+        {url.removeprefix("s3://"): body for url, body in data.items()}
+    )
+    requests = [Request(url, size=len(body)) for url, body in data.items()]
+    proxy.set_faults(Faults(latency=0.01))
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(timeout=30))
+    assert fetcher.config.hedge_budget == 0.05  # the default (conftest turns it off by env)
+    assert fetcher.fetch(requests[:100]) == list(data.values())[:100]  # learns the latencies
+    proxy.set_faults(Faults(latency=0.01, stall=0.03, stall_seconds=3.0, seed=5))
+    assert fetcher.fetch(requests[100:]) == list(data.values())[100:]
+    stats = fetcher.counters
+    assert stats.hedge_wins >= 1 and stats.hedges >= stats.hedge_wins
+    assert stats.hedges <= 0.05 * stats.requests + 8, (stats.hedges, stats.requests)
+    assert stats.retries == 0
+    off = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(hedge_budget=0))
+    assert off.fetch(requests[:150]) == list(data.values())[:150]
+    assert off.counters.hedges == 0

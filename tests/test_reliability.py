@@ -41,7 +41,7 @@ CHECKOUT = os.pathsep.join([str(REPO / "src"), str(REPO)])  # this checkout's fa
 # The fault mix, plus 1% stalls that outlast the per-attempt timeout.
 FAULTS = Faults(error_503=0.05, reset=0.02, truncate=0.02, stall=0.01, stall_seconds=4, seed=11)
 # Silence of 2 s (under the 4 s stalls) holds at a load of 10; 0.5 s quarantined objects there.
-PATIENT = FetchConfig(timeout=2.0, retries=10, backoff=0.02, max_backoff=0.2)
+PATIENT = FetchConfig(hedge_budget=0, timeout=2.0, retries=10, backoff=0.02, max_backoff=0.2)
 
 
 def digest(body: bytes) -> str:
