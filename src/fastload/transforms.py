@@ -6,12 +6,17 @@ plain function one; :func:`fingerprint` falls back to hashing a function's code,
 defaults and closure, and what the module-level names it reads hold: constants (numbers,
 strings, containers of them, numpy arrays) and functions of its own module, in turn. Edits to
 code it imports from elsewhere, or to classes it uses, are not seen: give those a version.
+
+No fingerprint of a user's function names its module: a training script's ``__main__.prep``
+and the ``mymodule.prep`` that ``fastload warm-cache --transform mymodule:prep`` imports are
+one function, and must name the same cache entries.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import io
 import json
 import math
@@ -78,11 +83,29 @@ def versioned(version: str | int) -> Callable[[F], F]:
         raise ConfigError(f"versioned needs a str or int version, got {version!r}")
 
     def mark(function: F) -> F:
-        name = f"{function.__module__}.{function.__qualname__}"
-        function.fingerprint = f"{name}:v{version}"  # type: ignore[attr-defined]
+        function.fingerprint = _versioned_print(function, version)  # type: ignore[attr-defined]
         return function
 
     return mark
+
+
+def _versioned_print(function: Callable[..., Any], version: str | int) -> str:
+    """``name:DIGEST:vVERSION``: the function's qualified name, a digest of its own code (not
+    of what it calls, reads or holds: the version covers those) and the version. Never its
+    module, so a script's ``__main__.prep`` and the ``mymodule.prep`` the CLI imports name the
+    same cache entries; the digest keeps two functions that share a name and a version apart.
+
+    fastload's own (its decoders) keep ``module.name:vVERSION``: their module is the same
+    wherever they run, and their versions are kept with their code, so neither an edit that
+    leaves their output alone nor a new Python's bytecode makes the caches of theirs again."""
+    name = getattr(function, "__qualname__", type(function).__qualname__)
+    module = str(getattr(function, "__module__", None) or "")
+    if module.partition(".")[0] == "fastload":
+        return f"{module}.{name}:v{version}"
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if not isinstance(code, CodeType):  # a callable object: its name and version
+        return f"{name}:v{version}"
+    return f"{name}:{_digest(_code_parts(code))}:v{version}"
 
 
 def fingerprint(transform: Callable[..., Any] | None) -> str:
@@ -227,8 +250,18 @@ def _constant(value: Any, depth: int = 0) -> str | None:
 
 
 def _code_parts(code: CodeType) -> list[Any]:
-    consts = [_code_parts(c) if isinstance(c, CodeType) else c for c in code.co_consts]
-    return [code.co_code.hex(), consts, code.co_names]
+    return [code.co_code.hex(), [_code_constant(c) for c in code.co_consts], code.co_names]
+
+
+def _code_constant(value: Any) -> Any:
+    """A constant of compiled code as the same text in every process: ``x in {"a", "b"}``
+    compiles to a frozenset, whose repr's order changed from process to process (so such a
+    function missed the cache in every run and every worker)."""
+    if isinstance(value, CodeType):
+        return _code_parts(value)
+    if isinstance(value, frozenset):
+        return _constant(value) or repr(sorted(map(repr, value)))
+    return value
 
 
 class Compose:

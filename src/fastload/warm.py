@@ -30,7 +30,8 @@ class WarmReport:
     """What one warm-up did. ``failures`` maps each failed object's URL to its error;
     ``unstored`` counts samples made but not cached because the cache's disk was full;
     ``left_out`` names the shards, samples or groups the dataset left out when it was made,
-    under ``on_error="skip"`` or ``incomplete="skip"``, each with its reason."""
+    under ``on_error="skip"`` or ``incomplete="skip"``, each with its reason; ``stopped`` says
+    why warming stopped before the end (its first samples all failed alike), else None."""
 
     samples: int = 0
     hits: int = 0  # already cached (a rerun skips them)
@@ -41,6 +42,7 @@ class WarmReport:
     failures: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
     left_out: list[str] = field(default_factory=list)
+    stopped: str | None = None
 
     def __add__(self, other: WarmReport) -> WarmReport:
         """Both warm-ups' counts, as one (the seconds added: the caller times a whole run)."""
@@ -54,6 +56,7 @@ class WarmReport:
             {**self.failures, **other.failures},
             self.interrupted or other.interrupted,
             self.left_out + other.left_out,
+            self.stopped or other.stopped,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -67,6 +70,7 @@ class WarmReport:
             "failures": dict(self.failures),
             "interrupted": self.interrupted,
             "left_out": list(self.left_out),
+            "stopped": self.stopped,
         }
 
 
@@ -160,18 +164,26 @@ def warm_cache(
     batch_size: int = 64,
     threads: int = 4,
     on_progress: Callable[[WarmReport], None] | None = None,
+    stop_after: int | None = None,
 ) -> WarmReport:
     """Cache ``dataset[i]`` for each index, ``threads`` batches at a time (a
     :class:`fastload.RemoteDataset` of any sample shape, or a :class:`fastload.CachedDataset`).
 
     Failures are recorded, not raised. Ctrl-C stops after the batches in flight are stored and
     returns the report with ``interrupted=True``.
+
+    With ``stop_after``, the first ``stop_after`` samples are warmed alone, before any other:
+    when every one of them fails, all with one type of error (a decoder that does not fit the
+    objects, a transform that raises, a store that refuses every read), nothing more is
+    fetched and ``stopped`` says so, naming the first failure: the rest would have failed
+    alike, after fetching the whole dataset.
     """
     if dataset.cache is None:
         raise ConfigError("warm_cache needs a dataset with a cache")
-    if batch_size < 1 or threads < 1:
+    if batch_size < 1 or threads < 1 or (stop_after is not None and stop_after < 1):
         raise ConfigError(
-            f"warm_cache needs batch_size and threads >= 1, got {batch_size}, {threads}"
+            "warm_cache needs batch_size, threads and stop_after (when given) >= 1, got "
+            f"{batch_size}, {threads}, {stop_after}"
         )
     counters = dataset.counters
     report = WarmReport(left_out=list(counters.dataset.left_out))
@@ -179,8 +191,10 @@ def warm_cache(
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
     start_unstored = cache.unstored
     started = time.perf_counter()
-    batches = [
-        list(map(int, indices[i : i + batch_size])) for i in range(0, len(indices), batch_size)
+    first = stop_after or 0  # warmed alone, and checked, before the rest
+    batches = [list(map(int, indices[:first]))] if first and len(indices) else []
+    batches += [
+        list(map(int, indices[i : i + batch_size])) for i in range(first, len(indices), batch_size)
     ]
 
     def done(batch: list[int], failures: list[tuple[str, BaseException]]) -> None:
@@ -197,16 +211,38 @@ def warm_cache(
 
     with ThreadPoolExecutor(threads, "fastload-warm") as pool:
         pending = iter(batches)
-        running = {pool.submit(dataset.warm, b): b for b in islice(pending, threads)}
+        alone = bool(first)  # the first batch is in flight alone
+        width = 1 if alone else threads
+        running = {pool.submit(dataset.warm, b): b for b in islice(pending, width)}
         try:
             while running:
                 future = next(iter(running))
-                done(running.pop(future), future.result())
-                for batch in islice(pending, 1):
-                    running[pool.submit(dataset.warm, batch)] = batch
+                batch = running.pop(future)
+                failures = future.result()
+                done(batch, failures)
+                if alone:
+                    alone, report.stopped = False, _all_failed_alike(batch, failures)
+                    if report.stopped is not None:
+                        break
+                for more in islice(pending, threads - len(running)):
+                    running[pool.submit(dataset.warm, more)] = more
         except KeyboardInterrupt:
             report.interrupted = True
             for future, batch in running.items():
                 done(batch, future.result())  # let the batches in flight land whole
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _all_failed_alike(batch: list[int], failures: list[tuple[str, BaseException]]) -> str | None:
+    """Why to stop when every sample of ``batch`` failed with one type of error, else None."""
+    kinds = {type(error).__name__ for _, error in failures}
+    if not batch or len(failures) < len(batch) or len(kinds) != 1:
+        return None
+    url, error = failures[0]
+    text = str(error)
+    named = text if url in text else f"{url}: {text}"  # fastload's errors name their object
+    return (
+        f"the first {len(batch)} samples all failed with {kinds.pop()}, so no other was fetched "
+        f"(the first: {named})"
+    )

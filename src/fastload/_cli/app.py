@@ -26,13 +26,14 @@ from fastload.cache import Cache
 from fastload.cache.formats import FORMATS
 from fastload.cache.store import CacheFormat
 from fastload.config import ChunkConfig
-from fastload.dataset import CachedDataset, RemoteDataset
+from fastload.dataset import CachedDataset, RemoteDataset, _listing_path
 from fastload.errors import ConfigError, FastloadError
-from fastload.manifest import Manifest
+from fastload.manifest import Manifest, save_listing
 from fastload.ranks import launcher_rank_world
+from fastload.sources.groups import group_decoder
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
-from fastload.transforms import decoder
+from fastload.transforms import GROUP_DECODERS, decoder
 from fastload.warm import WarmReport, tar_shard_groups, tar_shards_part, warm_cache, warm_order
 
 err = Console(stderr=True, highlight=False)
@@ -58,6 +59,8 @@ _SECRET_VARIABLES = (
     "GOOGLE_OAUTH_ACCESS_TOKEN",
 )
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+# warm-cache warms this many samples first, alone: when all fail alike, it fetches no more
+STOP_AFTER = 8
 
 StorageOptions = Annotated[
     list[str] | None,
@@ -101,8 +104,10 @@ Columns = Annotated[
 Decode = Annotated[
     str | None,
     typer.Option(
-        help="npy, npz, pt, raw, image, tiff or module:attr (default: npy; with --shards, "
-        "the sample as read)."
+        help="As RemoteDataset's decode=: npy, npz, pt, raw, image, tiff, dicom, module:attr, "
+        "or none (the sample as read); with --group-by or --shards tar also dicom-series (a "
+        "whole group) or PATTERN=DECODER,... (each member by the first pattern it matches). "
+        "Default: npy; with --shards, the sample as read."
     ),
 ]
 
@@ -197,12 +202,54 @@ def load_object(spec: str, what: str) -> Any:
         ) from exc
 
 
-def _decoder(spec: str) -> str | Callable[[Any], Any]:
-    """A decoder's name (checked; with --group-by it decodes each member) or module:attr."""
+DecodeSpec = str | Callable[[Any], Any] | dict[str, str | Callable[[bytes], Any]] | None
+
+
+def _decoder(spec: str | None, *, members: bool, shards: bool) -> DecodeSpec:
+    """What ``--decode`` gives RemoteDataset's ``decode=`` (checked as it checks it), for
+    samples of ``{member: bytes}`` (``members``: --group-by, --shards tar) or not: a name, a
+    module:attr, none, or ``PATTERN=DECODER,...``; with none given, npy (the sample as read
+    with ``shards``)."""
+    if spec is None:
+        return None if shards else "npy"
+    if spec == "none":
+        return None
+    if "=" in spec:
+        if not members:
+            raise ConfigError(
+                f"--decode {spec!r} decodes each member of a sample by pattern: it needs "
+                "--group-by or --shards tar"
+            )
+        rules = {pattern: _one_decoder(name) for pattern, _, name in _pairs(spec)}
+        group_decoder(rules)  # each decoder checked
+        return rules
+    one = _one_decoder(spec)
+    if members:
+        group_decoder(one)
+    elif isinstance(one, str) and one in GROUP_DECODERS:
+        raise ConfigError(
+            f"--decode {one} decodes a whole group of objects: it needs --group-by (or "
+            "--shards tar)"
+        )
+    else:
+        decoder(one)
+    return one
+
+
+def _pairs(spec: str) -> list[tuple[str, str, str]]:
+    """``PATTERN=DECODER,...`` split, each pair checked to have both sides."""
+    pairs = [item.strip().partition("=") for item in spec.split(",")]
+    for pattern, sep, name in pairs:
+        if not (pattern and sep and name):
+            raise ConfigError(f"--decode takes PATTERN=DECODER,..., got {spec!r}")
+    return pairs
+
+
+def _one_decoder(spec: str) -> str | Callable[[Any], Any]:
+    """A decoder's name (checked by the caller) or a module:attr, imported."""
     if ":" in spec:
         loaded: Callable[[Any], Any] = load_object(spec, "decode")
         return loaded
-    decoder(spec)
     return spec
 
 
@@ -242,9 +289,10 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         str,
         typer.Option(
             "--on-error",
-            help="raise or skip: a shard that cannot be read as indexed (a truncated tar, a "
-            "parquet file whose columns differ) stops the command, or is left out, named in a "
-            "warning. A sample that fails is always reported, never raised.",
+            help="raise or skip, as training's on_error=. A shard that cannot be read as "
+            "indexed (a truncated tar, a parquet file whose columns differ) stops the command, "
+            "or is left out, named in a warning. A sample that fails is reported either way; "
+            "under raise it makes the exit code 1, under skip it is named as skipped (exit 0).",
         ),
     ] = "raise",
     labels: Annotated[
@@ -320,7 +368,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
                 f"--dataset makes its own dataset, so {', '.join(ignored)} would be ignored: "
                 "give them to the dataset it makes, or use SOURCE and --cache-dir instead"
             )
-        datasets: Iterator[RemoteDataset | CachedDataset] = iter([_made_dataset(dataset_factory)])
+        made = _made_dataset(dataset_factory)
+        skipping = made.on_error == "skip"
+        datasets: Iterator[RemoteDataset | CachedDataset] = iter([made])
     else:
         if source is None or cache_dir is None:
             raise ConfigError("warm-cache needs SOURCE and --cache-dir (or --dataset)")
@@ -329,12 +379,18 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"--on-error must be raise or skip, got {on_error!r}")
+        skipping = on_error == "skip"
         options = parse_options(storage_option)
         transform_fn = load_object(transform, "transform") if transform else None
         budget = None if max_bytes is None else parse_size(max_bytes)
-        Cache(cache_dir, format=cache_format, max_bytes=budget)  # a folder it cannot use fails now
+        # a folder it cannot use fails now
+        cache = Cache(cache_dir, format=cache_format, max_bytes=budget)
         if manifest is None:
             listing = Manifest.build(source, pattern=pattern, storage_options=options)
+            # where RemoteDataset(SOURCE, cache=...) looks for it: training starts without listing
+            saved_at = _listing_path(source, pattern, None, cache, options)
+            if saved_at is not None:  # (always, with a cache)
+                save_listing(listing, saved_at)
         else:
             listing = Manifest.load(manifest, url=source)
             listing = listing if pattern is None else listing.filter(pattern=pattern)
@@ -369,10 +425,16 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             + report.bytes_fetched / 1e9 * (cost_per_gb or 0),
             6,
         )
-    _emit(result, as_json, lambda: _print_warm(result))
+    check = (
+        f"what --dataset {dataset_factory} makes"
+        if dataset_factory
+        else f"--decode (here: {decode or ('the sample as read' if shards else 'npy')}) and "
+        "--transform against what training uses"
+    )
+    _emit(result, as_json, lambda: _print_warm(result, skipping=skipping, check=check))
     if report.interrupted:
         raise typer.Exit(130)
-    if report.failures or report.unstored:
+    if report.stopped or report.unstored or (report.failures and not skipping):
         raise typer.Exit(1)
 
 
@@ -396,7 +458,7 @@ def _as_format(name: str) -> CacheFormat:
     return name  # type: ignore[return-value]  # one of FORMATS
 
 
-def _print_warm(result: dict[str, Any]) -> None:
+def _print_warm(result: dict[str, Any], *, skipping: bool, check: str) -> None:
     rate = result["samples"] / result["seconds"] if result["seconds"] else 0.0
     out.print(
         f"{result['samples']:,} samples ({result['hits']:,} already cached) "
@@ -405,8 +467,12 @@ def _print_warm(result: dict[str, Any]) -> None:
     )
     if "estimated_cost" in result:
         out.print(f"estimated cost: {result['estimated_cost']:.4f}")
-    for url, error in result["failures"].items():
-        out.print(f"failed: {url}: {error}")
+    if result["stopped"]:
+        out.print(f"stopped: {result['stopped']}; check {check}, then rerun", soft_wrap=True)
+    else:  # one line each, unbroken (grep finds an object's)
+        failed = "skipped (--on-error skip)" if skipping else "failed"
+        for url, error in result["failures"].items():
+            out.print(f"{failed}: {url}: {error}", soft_wrap=True)
     for reason in result["left_out"]:
         out.print(f"left out (--on-error skip): {reason}")
     if result["unstored"]:
@@ -438,7 +504,9 @@ def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order
         "shards": shards,
         "row_key": row_key,
         "columns": None if columns is None else columns.split(","),
-        "decode": None if decode is None and shards else _decoder(decode or "npy"),
+        "decode": _decoder(
+            decode, members=group_by is not None or shards == "tar", shards=bool(shards)
+        ),
     }
 
 
@@ -481,10 +549,16 @@ def _warm_all(
                     progress.update(before + report)
 
                 report = warm_cache(
-                    dataset, indices, batch_size=batch_size, threads=threads, on_progress=update
+                    dataset,
+                    indices,
+                    batch_size=batch_size,
+                    threads=threads,
+                    on_progress=update,
+                    stop_after=STOP_AFTER if total.samples == 0 else None,  # its first samples
                 )
                 total = before + report
-                dataset = None if total.interrupted else upcoming.result()
+                stop = total.interrupted or total.stopped is not None
+                dataset = None if stop else upcoming.result()
         except KeyboardInterrupt:  # while the next group was indexed: what is cached stays
             total.interrupted = True
         finally:
@@ -604,8 +678,12 @@ def manifest_show(
 
 
 def _caches(directory: Path) -> list[Cache]:
-    if not (directory / "fastload-cache.json").exists():
-        raise ConfigError(f"{directory} is not a fastload cache")
+    try:
+        (directory / "fastload-cache.json").stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{directory} is not a fastload cache") from None
+    except PermissionError:
+        pass  # Cache() names the folder and the permission this user lacks
     return [Cache(directory, format=_as_format(name)) for name in sorted(FORMATS)]
 
 
