@@ -34,6 +34,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) requirements/bench.txt require
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -e ".[dev]"
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/bench.txt
 	$(PY) $(PIP) --no-deps -c $(CONSTRAINTS) mosaicml-streaming
+	@# litdata pulls torchvision; the registry's is a CUDA build that cannot load beside the CPU
+	@# torch, and torchmetrics (so Lightning) imports it whenever it is installed
+	$(PY) -c 'import torchvision' 2>/dev/null || $(PY) -m pip uninstall -y -q torchvision
 	$(PY) $(PIP) $(FIND_LINKS) -c $(CONSTRAINTS) -r requirements/docs.txt
 	@touch $@
 

@@ -34,7 +34,7 @@ from fastload import _collate
 from fastload.dataset import Filled
 from fastload.device._batch import pinned
 from fastload.errors import ConfigError
-from fastload.ranks import rank_world
+from fastload.ranks import rank_world, sharding_rank_world, xla_rank_world
 from fastload.sampler import PermutationSampler, _splitmix64
 from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, StallReport, Window, window_report
 from fastload.stats import StageCounters
@@ -105,7 +105,10 @@ class DataLoader(tud.DataLoader[Any]):
       batches; see :meth:`_read_here`).
 
     :meth:`state_dict` records the next sample the loop has not seen (batches prefetched by
-    workers are not counted); :meth:`load_state_dict` resumes there in O(1).
+    workers are not counted); :meth:`load_state_dict` resumes there in O(1); ``len()`` stays
+    the whole epoch's batches, as torch's. A pass begins at its first batch, and the sampler
+    looks the ranks up then (a loader made before ``init_process_group`` shards once it is
+    up). Under Lightning, Accelerate, torchrun and torchdata: docs/frameworks.md.
     :meth:`report` says whether the loop is data- or compute-bound.
     """
 
@@ -146,26 +149,18 @@ class DataLoader(tud.DataLoader[Any]):
             and batch_sampler is None
             and not isinstance(dataset, tud.IterableDataset)
         ):
-            if not hasattr(dataset, "__len__"):
-                raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
-            blocks = getattr(dataset, "blocks", None)  # ranks then take whole chunks
             if shuffle and generator is not None:
                 log.warning(
                     "DataLoader: the shuffled order follows seed=%d, not generator= (every rank "
                     "must draw the same order to split it); pass seed= for another order",
                     seed,
                 )
-            sampler = PermutationSampler(
-                len(dataset),
-                shuffle=bool(shuffle),
-                seed=seed,
-                blocks=blocks,
-                window=BLOCK_WINDOW,
-            )
+            sampler = _own_sampler(dataset, bool(shuffle), seed)
             reshuffle = bool(shuffle)
             shuffle = None
-            if reshuffle and not chosen and (first_epoch := _Epochs.next(len(dataset))):
+            if reshuffle and not chosen and (first_epoch := _Epochs.next(sampler.n)):
                 sampler.set_epoch(first_epoch)
+        _claim(sampler if batch_sampler is None else batch_sampler, dataset)
         auto_collation = batch_sampler is not None or batch_size is not None
         collate = collate_fn or (
             (tud.default_collate if workers else _collate.collate)
@@ -181,9 +176,9 @@ class DataLoader(tud.DataLoader[Any]):
         # with workers, each batch tells its worker which batch to cache ahead (see _Ahead)
         handed = workers * (factor or 0)
         if prefetch is not None and batch_sampler is not None:
-            batch_sampler = _Lookahead(batch_sampler, prefetch, lookahead, 0, handed)
+            batch_sampler = _lookahead(batch_sampler, prefetch, lookahead, 0, handed)
         elif prefetch is not None and sampler is not None:
-            sampler = _Lookahead(sampler, prefetch, lookahead, batch_size or 1, handed)
+            sampler = _lookahead(sampler, prefetch, lookahead, batch_size or 1, handed)
         if workers:
             collate = _WorkerCollate(collate)
             worker_init_fn = _WorkerInit(worker_init_fn, fills)
@@ -220,6 +215,10 @@ class DataLoader(tud.DataLoader[Any]):
         self._passes = 0
         self._heading = False  # a head start is caching the pass's first batches
         self._cached_whole = False  # the last pass left every sample in the cache (fills)
+        # the worker seeds' (seed, epoch, rank) when they are ours and the rank may change: a
+        # loader made before the process group is up is reseeded for its rank at its first pass
+        settled = generator is not None or _ranks_settled()
+        self._seeded = None if settled else (seed, first_epoch, _rank())
 
     # -- iteration -----------------------------------------------------------------------------
     @property
@@ -230,6 +229,17 @@ class DataLoader(tud.DataLoader[Any]):
         return source.lookahead_source if isinstance(source, _Lookahead) else source
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """A pass, begun at its first ``next()``: a ``set_epoch`` (or ``load_state_dict``)
+        between ``iter()`` and it still chooses the pass's order, as frameworks call them
+        (Lightning makes the iterator, then sets the epoch)."""
+        yield from self._begin()
+
+    def _begin(self) -> Iterator[Any]:
+        """Start a pass: its order, its producers; the batches, timed."""
+        self._reseed()
+        permutation = _permutation_in(self._order)
+        if permutation is not None:
+            permutation._grant_pass()
         if self._reshuffle and isinstance(self._order, PermutationSampler):
             self._order._new_pass(advance=self._passes > 0)
             if self._follows:
@@ -257,6 +267,17 @@ class DataLoader(tud.DataLoader[Any]):
         if self.background and (self.num_workers == 0 or self.fills):  # reads in this process
             batches = iter(_Background(batches, depth=2))
         return self._deliver(batches, time.perf_counter() - started)
+
+    def _reseed(self) -> None:
+        """Seed the workers for this process's rank if it was not known when the loader was
+        made (before ``init_process_group``): each rank's workers draw their own numbers."""
+        if self._seeded is None or self.generator is None:
+            return
+        seed, epoch, rank = self._seeded
+        now = _rank()
+        if now != rank:
+            self._seeded = (seed, epoch, now)
+            self.generator.manual_seed(_worker_seed(seed, epoch, now))
 
     def _read_here(self) -> Iterator[Any]:
         """A pass of a loader whose workers fill the cache, read in this process as without
@@ -419,13 +440,22 @@ class DataLoader(tud.DataLoader[Any]):
         return {"version": _STATE_VERSION, "sampler": sampler.state_dict(local_consumed=samples)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the saved position: the next pass starts with the first unseen sample."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        """Resume at the saved position: the next pass starts with the first unseen sample
+        (after a state saved at the end of an epoch, the next epoch, in its own order).
+
+        Also takes the state of a ``torchdata`` ``StatefulDataLoader`` whose sampler was a
+        :class:`fastload.PermutationSampler`: it continues where that loader stopped.
+        """
+        sampler = self._resumable_sampler()
+        if isinstance(state, dict) and _TORCHDATA_KEYS & state.keys():
+            sampler.load_state_dict(_from_torchdata(state, sampler, self.batch_size or 1))
+        elif isinstance(state, dict) and state.get("version") == _STATE_VERSION:
+            sampler.load_state_dict(state["sampler"])
+        else:
             raise ConfigError(
                 f"DataLoader.load_state_dict: not a fastload DataLoader state (version "
-                f"{_STATE_VERSION}): {str(state)[:80]!r}"
+                f"{_STATE_VERSION}) nor a torchdata StatefulDataLoader's: {str(state)[:80]!r}"
             )
-        self._resumable_sampler().load_state_dict(state["sampler"])
         self._consumed = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -442,12 +472,50 @@ class DataLoader(tud.DataLoader[Any]):
                 "DataLoader: resuming needs batch_size and sampler (a custom batch_sampler's "
                 "position cannot be known)"
             )
+        if isinstance(sampler, tud.DistributedSampler) and not isinstance(
+            sampler, PermutationSampler
+        ):
+            raise ConfigError(
+                f"DataLoader: cannot resume with {type(sampler).__name__}, a distributed sampler "
+                "a framework put around the sampler given to this loader (Lightning does so "
+                "for any sampler that is not a DistributedSampler): leave sampler= out, and the "
+                "loader's own fastload.PermutationSampler shards over the ranks, resumes, and "
+                "is left in place"
+            )
         if not isinstance(sampler, PermutationSampler):
             raise ConfigError(
                 f"DataLoader: cannot resume with {type(sampler).__name__}; use "
                 "fastload.PermutationSampler (the default) to get a resumable position"
             )
         return sampler
+
+
+_TORCHDATA_KEYS = {"_snapshot", "_sampler_iter_state", "_index_sampler_state"}
+
+
+def _from_torchdata(
+    state: dict[str, Any], sampler: PermutationSampler, batch_size: int
+) -> dict[str, Any]:
+    """The PermutationSampler state inside a torchdata ``StatefulDataLoader`` state, moved on
+    by the batches the loop took since that loader's snapshot of it (with workers); a
+    ConfigError saying what to do when its sampler was another."""
+    snapshot = state.get("_snapshot")
+    main = snapshot.get("_main_snapshot", {}) if isinstance(snapshot, dict) else state
+    inner = main.get("_sampler_iter_state")
+    found = inner.get("sampler_state") if isinstance(inner, dict) else None
+    found = found if found is not None else main.get("_index_sampler_state")
+    if not (isinstance(found, dict) and {"n", "position", "epoch"} <= found.keys()):
+        raise ConfigError(
+            "DataLoader.load_state_dict: a torchdata StatefulDataLoader state whose sampler was "
+            "not a fastload.PermutationSampler: its position in that sampler's order cannot be "
+            "continued in fastload's. Finish the interrupted epoch with the StatefulDataLoader, "
+            "or start this loader at the next epoch (loader.set_epoch(epoch + 1)); a "
+            "StatefulDataLoader given sampler=fastload.PermutationSampler(...) saves states that "
+            "fastload.DataLoader loads"
+        )
+    taken = state.get("_steps_since_snapshot", 0) if isinstance(snapshot, dict) else 0
+    sampler.load_state_dict(found)
+    return sampler.state_dict(local_consumed=min(int(taken) * batch_size, sampler.num_left))
 
 
 # --- workers --------------------------------------------------------------------------------
@@ -598,8 +666,43 @@ def _guarded(path: str) -> bool:
         return False
 
 
-def _worker_seed(seed: int, epoch: int = 0) -> int:
-    rank, _ = rank_world()
+def _own_sampler(dataset: Any, shuffle: bool, seed: int) -> PermutationSampler:
+    """The sampler a loader makes for a map-style dataset."""
+    if not hasattr(dataset, "__len__"):
+        raise ConfigError(f"DataLoader: map-style dataset {dataset!r} has no __len__")
+    return PermutationSampler(
+        len(dataset),
+        shuffle=shuffle,
+        seed=seed,
+        blocks=getattr(dataset, "blocks", None),  # ranks then take whole chunks
+        window=BLOCK_WINDOW,
+    )
+
+
+def _claim(order: Any, dataset: Any) -> None:
+    """Make the PermutationSampler behind ``order`` (made here or given) this loader's: under
+    several ranks it then refuses to be iterated by another loader built from it, which would
+    shard its batches again (:meth:`PermutationSampler._check_driver`)."""
+    permutation = _permutation_in(order)
+    if permutation is not None and permutation._owner is None:
+        name = type(dataset).__name__
+        permutation._owner = f"the fastload.DataLoader over {name} ({permutation.n} samples)"
+
+
+def _rank() -> int:
+    """This process's rank, as the samplers shard (the launcher's before a process group)."""
+    return sharding_rank_world()[0]
+
+
+def _ranks_settled() -> bool:
+    """Whether the ranks are known for good: a process group or torch_xla's runtime is up
+    (whose ordinal a loader's threads may not see: it is read when the loader is made)."""
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return group or xla_rank_world() is not None
+
+
+def _worker_seed(seed: int, epoch: int, rank: int | None = None) -> int:
+    rank = _rank() if rank is None else rank
     mixed = (seed & (2**64 - 1)) ^ _splitmix64(rank + 1) ^ _splitmix64(epoch + 0x51ED)
     return _splitmix64(mixed) >> 1
 
@@ -844,6 +947,35 @@ class _Lookahead(tud.Sampler[Any]):
         self._begun = None
         for one in list(self.passes):
             one.close()
+
+
+class _ShardedLookahead(_Lookahead, tud.DistributedSampler[Any]):
+    """A lookahead around a sampler that shards over the ranks itself (a
+    ``DistributedSampler``: fastload's own), and says so as its source does: frameworks that
+    shard a loader's sampler unless it is one (Lightning, Ray Train) leave it alone."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.lookahead_source.set_epoch(epoch)
+
+
+def _lookahead(
+    source: Any, prefetch: Callable[[Any], Future[None]], depth: int, group: int, handed: int
+) -> _Lookahead:
+    """A :class:`_Lookahead` around ``source``, a distributed one around a distributed one."""
+    sharded = isinstance(source, tud.DistributedSampler)
+    return (_ShardedLookahead if sharded else _Lookahead)(source, prefetch, depth, group, handed)
+
+
+def _permutation_in(order: Any) -> PermutationSampler | None:
+    """The PermutationSampler a loader's order comes from: itself, or inside the lookahead
+    and batch samplers around it (a framework's, too: Lightning's prediction wraps the batch
+    sampler)."""
+    for _ in range(4):
+        if isinstance(order, PermutationSampler):
+            return order
+        inner = getattr(order, "lookahead_source", None)
+        order = inner if inner is not None else getattr(order, "sampler", None)
+    return None
 
 
 class _Pass:

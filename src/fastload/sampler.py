@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 from fastload.errors import ConfigError
-from fastload.ranks import rank_world
+from fastload.ranks import rank_world, sharding_rank_world, this_rank_alone, xla_rank_world
 
 logger = logging.getLogger(__name__)
 
@@ -167,16 +167,24 @@ class _Plan:
         return rows
 
 
-class PermutationSampler(Sampler[int]):
+class PermutationSampler(DistributedSampler[int]):
     """Shuffled (or sequential) indices of ``range(n)`` for this rank, in O(1) memory.
+
+    A ``torch.utils.data.DistributedSampler`` (without its dataset: the order is computed),
+    so frameworks that shard a loader's sampler unless it is one (Lightning, Lightning
+    Fabric, Ray Train) leave it to shard itself. ``len()`` is this rank's share of the whole
+    epoch, as torch's; after :meth:`load_state_dict` a pass yields only what is left of it.
 
     Args:
         n: dataset length.
         shuffle: shuffle per epoch (``False``: ``0, 1, 2, ...`` sharded the same way).
         seed: same seed and epoch give the same order on every machine.
-        rank: this process's rank; by default from ``torch.distributed`` when initialised,
-            else from torch_xla's runtime when in use, else 0.
-        world_size: number of ranks, from the same sources (else 1).
+        rank: this process's rank; by default, looked up whenever the sampler is used (so a
+            sampler made before ``init_process_group`` shards once the group is up): from
+            ``torch.distributed`` when initialised, else from the launcher's ``RANK``
+            (torchrun), else 0; under torch_xla's runtime, its ordinal when the sampler is
+            made; made inside :func:`fastload.this_rank_only`, 0 wherever it is used.
+        world_size: number of ranks, from the same sources (``WORLD_SIZE``; else 1).
         drop_last: drop the tail that does not divide evenly (never down to zero samples: with
             fewer samples than ranks, the epoch is padded instead). Otherwise the epoch is padded
             by wrapping; padding always comes last on each rank, see :attr:`num_real_samples`.
@@ -205,42 +213,107 @@ class PermutationSampler(Sampler[int]):
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < _MAX_N:
             raise ConfigError(f"PermutationSampler: n must be an int in [0, 2**62), got {n!r}")
         seed = _checked_int("seed", seed, -_SEEDS, _SEEDS)
-        default_rank, default_world = rank_world()
-        world_size = _checked_int(
-            "world_size", default_world if world_size is None else world_size, 1
-        )
-        rank = _checked_int("rank", default_rank if rank is None else rank, 0, world_size)
+        # Made for this rank alone: every sample, wherever used. Under torch_xla the ordinal is
+        # read here: a loader's threads (MpDeviceLoader's) may see another one.
+        pinned = (0, 1) if this_rank_alone() else xla_rank_world() and rank_world()
+        self._given_world = pinned[1] if pinned and world_size is None else world_size
+        self._given_rank = pinned[0] if pinned and rank is None else rank
+        if world_size is not None:
+            _checked_int("world_size", world_size, 1)
+        self._ranks()  # explicit values are checked now, looked-up ones whenever used
         if block_size is not None:
             block_size = _checked_int("block_size", block_size, 1)
         window = _checked_int("window", window, 1)
         self.blocks = None if blocks is None else _checked_blocks(blocks, n, block_size)
         self._block_layout: tuple[int, Indices, Indices] | None = None  # (epoch, order, ends)
         self.n, self.shuffle, self.seed = n, shuffle, seed
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.drop_last = drop_last
         self.block_size, self.window = block_size, window
         self.epoch = 0
         self._yielded = 0
-        self._plan = self._make_plan(self._whole_epoch())
+        self._unserved: int | Indices = self._whole_epoch()  # what this pass has left to serve
+        self._planned: tuple[tuple[int, int], _Plan] | None = None  # (rank, world), its plan
         self._epoch_chosen = False  # set_epoch/load_state_dict since the loader last looked
+        self._finished: int | None = None  # a loaded state ended this epoch (see set_epoch)
+        self._owner: str | None = None  # the fastload.DataLoader it is the sampler of, if any
+        self._granted = 0  # passes a fastload.DataLoader began and has not iterated yet
+
+    # -- ranks -------------------------------------------------------------------------------
+    def _ranks(self) -> tuple[int, int]:
+        """``(rank, world size)`` now: the given ones, the others looked up."""
+        rank, world = self._given_rank, self._given_world
+        if rank is None or world is None:
+            found_rank, found_world = sharding_rank_world()
+            rank = found_rank if rank is None else rank
+            world = found_world if world is None else world
+        world = _checked_int("world_size", world, 1)
+        return _checked_int("rank", rank, 0, world), world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among those the epoch is split over."""
+        return self._ranks()[0]
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self._given_rank = _checked_int("rank", rank, 0)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the epoch is split over."""
+        return self._ranks()[1]
+
+    @world_size.setter
+    def world_size(self, world_size: int) -> None:
+        self._given_world = _checked_int("world_size", world_size, 1)
+
+    @property
+    def num_replicas(self) -> int:  # DistributedSampler's name
+        return self.world_size
+
+    @num_replicas.setter
+    def num_replicas(self, world_size: int) -> None:
+        self.world_size = world_size
 
     # -- epochs and layout -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch``. Setting the current epoch again keeps a resume point."""
+        """Use the order of ``epoch``. Setting the current epoch again keeps a resume point;
+        so does setting, after loading a state saved at the end of an epoch, that epoch (the
+        pass is then empty: nothing of it is left)."""
         epoch = _checked_int("epoch", epoch, 0)
         self._epoch_chosen = True
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._plan = self._make_plan(self._whole_epoch())
+        if epoch == self._finished:
+            self.epoch, self._finished = epoch, None
+            self._start(self._whole_epoch(end=True))
+        elif epoch != self.epoch:
+            self.epoch, self._finished = epoch, None
+            self._start(self._whole_epoch())
+
+    def _start(self, left: int | Indices) -> None:
+        """The pass now has ``left`` to serve: from a position on (strided), or ranges."""
+        self._unserved = left
+        self._planned = None
+
+    @property
+    def _plan(self) -> _Plan:
+        """What is left of the epoch, laid out over the ranks there are now."""
+        ranks = self._ranks()
+        if self._planned is None or self._planned[0] != ranks:
+            self._planned = (ranks, self._make_plan(self._unserved, *ranks))
+        return self._planned[1]
 
     @property
     def _contiguous(self) -> bool:
         """Whether ranks take contiguous shares (block mode) rather than strided positions."""
         return self.blocks is not None or self.block_size is not None
 
-    def _whole_epoch(self) -> int | Indices:
-        return np.asarray([[0, self.n]], np.int64) if self._contiguous else 0
+    def _whole_epoch(self, end: bool = False) -> int | Indices:
+        """All of the epoch left to serve (or, ``end``, none of it)."""
+        if not self._contiguous:
+            return self.n if end else 0
+        return np.zeros((0, 2), np.int64) if end else np.asarray([[0, self.n]], np.int64)
 
-    def _make_plan(self, left: int | Indices) -> _Plan:
+    def _make_plan(self, left: int | Indices, rank: int, world: int) -> _Plan:
         """The plan for the positions not yet consumed: from ``left`` on (strided), or the
         ranges ``left`` (block mode)."""
         if isinstance(left, int):
@@ -248,30 +321,40 @@ class PermutationSampler(Sampler[int]):
         else:
             start, ranges = 0, left.reshape(-1, 2)
             remaining = int((ranges[:, 1] - ranges[:, 0]).sum())
-        w = self.world_size
-        if self.drop_last and remaining >= w:
-            per_rank = remaining // w
-        else:
-            if self.drop_last and 0 < remaining < w:
-                logger.warning(
-                    "PermutationSampler: %d samples for %d ranks; padding instead of dropping "
-                    "so that no rank gets zero",
-                    remaining,
-                    w,
-                )
-            per_rank = -(-remaining // w)
+        per_rank = self._per_rank(remaining, world)
+        if self.drop_last and 0 < remaining < world:
+            logger.warning(
+                "PermutationSampler: %d samples for %d ranks; padding instead of dropping "
+                "so that no rank gets zero",
+                remaining,
+                world,
+            )
         if ranges is not None:  # contiguous shares: padding comes at the end of the last ones
-            real = max(0, min(per_rank, remaining - self.rank * per_rank))
+            real = max(0, min(per_rank, remaining - rank * per_rank))
         else:
-            real = max(0, min(per_rank, -(-(remaining - self.rank) // w)))
+            real = max(0, min(per_rank, -(-(remaining - rank) // world)))
         return _Plan(start, per_rank, real, ranges)
 
+    def _per_rank(self, samples: int, world: int) -> int:
+        """Each rank's share of ``samples``: padded, or with ``drop_last`` cut (never to 0)."""
+        if self.drop_last and samples >= world:
+            return samples // world
+        return -(-samples // world)
+
     def __len__(self) -> int:
+        """This rank's share of the whole epoch, as torch's samplers count: also after a
+        resume mid-epoch, whose pass yields only what is left (:attr:`num_left`)."""
+        return self._per_rank(self.n, self.world_size)
+
+    @property
+    def num_left(self) -> int:
+        """How many samples this rank's pass yields: :func:`len` but after a resume, what the
+        resumed epoch has left for this rank."""
         return self._plan.per_rank
 
     @property
     def num_real_samples(self) -> int:
-        """How many of this rank's samples this epoch are unique; the rest (at the end) are
+        """How many of this rank's samples this pass are unique; the rest (at the end) are
         padding that repeats samples, to be skipped when evaluating each sample once."""
         return self._plan.real
 
@@ -363,21 +446,50 @@ class PermutationSampler(Sampler[int]):
 
     def indices(self, start: int = 0, stop: int | None = None) -> Indices:
         """This rank's indices for local positions ``[start, stop)`` as one numpy array."""
-        stop = len(self) if stop is None else min(stop, len(self))
+        stop = self.num_left if stop is None else min(stop, self.num_left)
         local = np.arange(start, max(start, stop), dtype=np.int64)
-        plan = self._plan
+        plan, (rank, world) = self._plan, self._ranks()
         if plan.ranges is not None:
-            return self.order(plan.positions(self.rank * plan.per_rank + local))
-        return self.order(plan.start + self.rank + local * self.world_size)
+            return self.order(plan.positions(rank * plan.per_rank + local))
+        return self.order(plan.start + rank + local * world)
 
     def __iter__(self) -> Iterator[int]:
+        self._check_driver()
+        self._finished = None  # a pass began: set_epoch(e) is that epoch again
         return _iter_counted(self, self.indices)
+
+    def _grant_pass(self) -> None:
+        """A fastload.DataLoader begins a pass over it."""
+        self._granted += 1
+
+    def _check_driver(self) -> None:
+        """The sampler of a fastload.DataLoader shards the epoch over the ranks itself: a
+        loader a framework rebuilt around it (Accelerate's ``prepare``) shards its batches
+        again, and each rank would see 1/world of its share. Refused, naming what to do."""
+        if self._owner is None:
+            return
+        if self._granted:
+            self._granted -= 1
+            return
+        rank, world = self._ranks()
+        if world > 1:
+            raise ConfigError(
+                f"PermutationSampler of {self._owner} (rank {rank} of {world}) is iterated by "
+                "another loader, one a framework rebuilt from it: it would shard the batches of "
+                "this rank's share again, and each epoch would miss most samples. With "
+                "Accelerate, do not pass the fastload.DataLoader to accelerator.prepare(): "
+                "prepare the model and optimizer only, iterate the loader as it is (it splits "
+                "every epoch over the process group itself) and call "
+                "accelerator.register_for_checkpointing(loader) (or the DeviceLoader around "
+                "it) so that save_state/load_state resume it exactly (docs/frameworks.md)"
+            )
 
     def iter_batches(self, batch_size: int, drop_last: bool = False) -> Iterator[list[int]]:
         """Batches of this rank's indices, computed vectorised (the fast path)."""
         if batch_size < 1:
             raise ConfigError(f"iter_batches: batch_size must be >= 1, got {batch_size}")
-        total = len(self) - (len(self) % batch_size if drop_last else 0)
+        left = self.num_left
+        total = left - (left % batch_size if drop_last else 0)
         step = max(batch_size, _CHUNK // batch_size * batch_size)
         self._yielded = 0
         for chunk_start in range(0, total, step):
@@ -395,10 +507,10 @@ class PermutationSampler(Sampler[int]):
         (a DataLoader prefetches ahead of it); by default, how many the iterator yielded.
         """
         consumed = self._yielded if local_consumed is None else local_consumed
-        if not 0 <= consumed <= len(self):
+        if not 0 <= consumed <= self.num_left:
             raise ConfigError(
-                f"PermutationSampler.state_dict: local_consumed must be in [0, {len(self)}], "
-                f"got {consumed}"
+                f"PermutationSampler.state_dict: local_consumed must be in [0, "
+                f"{self.num_left}], got {consumed}"
             )
         state = {
             "version": _STATE_VERSION,
@@ -409,7 +521,7 @@ class PermutationSampler(Sampler[int]):
             "window": self.window,
             "blocks": self._blocks_digest(),
             "epoch": self.epoch,
-            "position": min(self._plan.start + consumed * self.world_size, self.n),
+            "position": min(self._plan.start + consumed * self._ranks()[1], self.n),
         }
         if self._plan.ranges is not None:
             left = self._left(consumed)
@@ -425,11 +537,12 @@ class PermutationSampler(Sampler[int]):
         assert plan.ranges is not None
         total = int((plan.ranges[:, 1] - plan.ranges[:, 0]).sum())
         places = []  # [a, b) runs of places in the ranges laid end to end
-        for rank in range(self.world_size):
+        world = self._ranks()[1]
+        for rank in range(world):
             first = rank * plan.per_rank
             real = max(0, min(plan.per_rank, total - first))
             places.append((first + min(consumed, real), first + real))
-        places.append((min(self.world_size * plan.per_rank, total), total))
+        places.append((min(world * plan.per_rank, total), total))
         rows = [plan.positions_between(a, b) for a, b in places if a < b]
         return np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
 
@@ -452,7 +565,8 @@ class PermutationSampler(Sampler[int]):
             raise ConfigError(
                 f"PermutationSampler.load_state_dict: epoch must be an int, got {state['epoch']!r}"
             )
-        for field in ("n", "seed", "shuffle", "block_size", "window"):
+        shaping = ("n", "seed", "shuffle", "block_size", "window")  # the window: in block mode
+        for field in shaping if self._contiguous else shaping[:-1]:
             if state[field] != getattr(self, field):
                 raise ConfigError(
                     f"PermutationSampler.load_state_dict: state has {field}={state[field]!r} "
@@ -472,8 +586,11 @@ class PermutationSampler(Sampler[int]):
         left: int | Indices = position
         if self._contiguous:  # a state saved before block mode shared contiguously: a prefix
             left = _checked_ranges(state.get("remaining", [[position, self.n]]), self.n)
-        self.epoch = int(state["epoch"])
-        self._plan = self._make_plan(left)
+        self.epoch, self._finished = int(state["epoch"]), None
+        self._start(left)
+        if self.num_left == 0 and self.n:  # the epoch had ended: the next one starts by itself
+            self.epoch, self._finished = self.epoch + 1, self.epoch
+            self._start(self._whole_epoch())
         self._yielded = 0
         self._epoch_chosen = True
 
@@ -549,18 +666,19 @@ def _iter_counted(
 ) -> Iterator[int]:
     """Yield ``indices`` chunk by chunk, keeping ``counter``'s count for ``state_dict()``."""
     counter._yielded = 0
-    for chunk_start, chunk_stop in _chunks(len(counter)):
+    for chunk_start, chunk_stop in _chunks(counter.num_left):
         chunk = indices(chunk_start, chunk_stop).tolist()
         for counter._yielded, index in enumerate(chunk, chunk_start + 1):
             yield index
 
 
-class WeightedSampler(Sampler[int]):
+class WeightedSampler(DistributedSampler[int]):
     """Sampling with replacement by weight (e.g. class balancing), deterministic per epoch.
 
     Each global position draws independently from a counter-based generator keyed by
     ``(seed, epoch, position)``, so ranks shard by position like :class:`PermutationSampler`
-    and resuming costs O(1). Memory is O(len(weights)) for the cumulative weights.
+    (a ``DistributedSampler`` too, that frameworks leave to shard itself) and resuming costs
+    O(1). Memory is O(len(weights)) for the cumulative weights.
     """
 
     def __init__(
@@ -582,7 +700,31 @@ class WeightedSampler(Sampler[int]):
         self._positions = PermutationSampler(
             num_samples, shuffle=False, seed=seed, rank=rank, world_size=world_size
         )
-        self.seed = seed
+        self.seed, self.shuffle, self.drop_last = seed, True, False
+
+    @property
+    def rank(self) -> int:
+        return self._positions.rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self._positions.rank = rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._positions.world_size
+
+    @num_replicas.setter
+    def num_replicas(self, world_size: int) -> None:
+        self._positions.world_size = world_size
+
+    @property
+    def epoch(self) -> int:
+        return self._positions.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._positions.set_epoch(epoch)
 
     @classmethod
     def balanced(cls, labels: Sequence[int] | npt.ArrayLike, **kwargs: Any) -> WeightedSampler:
