@@ -23,6 +23,7 @@ from benchmarks import (
     parquet,
     peers,
     plots,
+    readme,
     sampler,
     stall,
     stores,
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         print(table(rows))
     for image in plots.render(args.results):
         print(f"plot: {image}")
+    if "peers" in args.only and not args.quick and args.results == RESULTS:
+        changed = readme.update()
+        print("README.md: benchmark block " + ("updated" if changed else "unchanged"))
 
 
 if __name__ == "__main__":

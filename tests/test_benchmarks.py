@@ -196,3 +196,14 @@ def test_dicom_benchmark_compares_the_sequential_reader_with_groups() -> None:
         ("warm", 2),
     ]
     assert all(row["volumes/s"] > 0 for row in rows)
+
+
+def test_the_readme_says_what_the_latest_peers_results_say() -> None:
+    """The README's table and claims are rendered from benchmarks/results/peers.json
+    (python -m benchmarks.readme): none is typed by hand, so none can drift."""
+    from benchmarks import readme
+
+    text = readme.README.read_text()
+    block = text[text.index(readme.START) : text.index(readme.END) + len(readme.END)]
+    assert block == readme.render(json.loads((readme.RESULTS / "peers.json").read_text()))
+    assert len(text.encode()) <= 10_240, len(text.encode())  # a first screen, not lab notes
