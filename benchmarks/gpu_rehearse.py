@@ -8,12 +8,10 @@ CPU loops this way.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import runpy
 import sys
-from collections.abc import Sequence
-from types import ModuleType
+
+from fastload.testing.absent import Absent
 
 # fastload's extras and test servers that the GPU image (see the device tool's KINDS.md) lacks
 MISSING = frozenset(
@@ -37,22 +35,10 @@ MISSING = frozenset(
 )
 
 
-class _Absent(importlib.abc.MetaPathFinder):
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.partition(".")[0] in MISSING:
-            raise ImportError(f"{fullname} is not on the GPU image (benchmarks.gpu_rehearse)")
-        return None
-
-
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "-m":
         raise SystemExit("usage: python -m benchmarks.gpu_rehearse -m MODULE [ARGS...]")
-    sys.meta_path.insert(0, _Absent())
+    Absent(MISSING, reason="is not on the GPU image (benchmarks.gpu_rehearse)").install()
     sys.argv = argv[1:]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
 

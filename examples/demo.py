@@ -148,7 +148,13 @@ def baseline(
         num_workers=args.workers,
         collate_fn=collate,
         persistent_workers=args.workers > 0,
-        multiprocessing_context="spawn" if args.workers > 0 else None,
+        # forkserver, as fastload's loaders (and Python 3.14's default): its workers end with
+        # os._exit. Not spawn: a spawned worker ends by finalizing its interpreter, so one
+        # stopped mid-epoch while its queue's thread still handed over a batch aborted
+        # ("terminate called without an active exception"; torch: "DataLoader worker ...
+        # killed by signal: Aborted"). Not fork: the workers would inherit this process's s3fs
+        # clients, whose sessions then fail to close on their loop (tracebacks).
+        multiprocessing_context="forkserver" if args.workers > 0 else None,
     )
     return train(f"torch DataLoader + RandomSampler ({args.workers} workers)", loader, args.steps)
 
@@ -226,8 +232,10 @@ def main(argv: list[str] | None = None) -> None:
             urls, labels, options = local_bucket(stack, args)
         log.info("%d samples, %d classes", len(urls), len(set(labels)))
         root = args.url or f"s3://{BUCKET}/images"
-        results = [baseline(urls, labels, options, args)]
-        results += fastload_rows(root, urls, labels, options, args)
+        # fastload's rows run first: their loader starts the forkserver (the baseline's too)
+        # with what it preloads (torch, fastload); the first loader to start it decides that.
+        rows = fastload_rows(root, urls, labels, options, args)
+        results = [baseline(urls, labels, options, args), *rows]
     print()
     print_table(results, time.perf_counter() - started)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import re
+import uuid
 from collections import namedtuple
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +17,9 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import default_collate
 
 import fastload
-from fastload import _collate
+from fastload import ConfigError, _collate
+from fastload.testing import S3Server
+from tests.conftest import BUCKET, write
 
 Pair = namedtuple("Pair", ["x", "y"])
 rng = np.random.default_rng(3)
@@ -80,11 +87,10 @@ def test_sixteen_bit_values_survive() -> None:
 @pytest.mark.parametrize(
     "batch",
     [
-        [np.zeros((3, 4)), np.zeros((3, 5))],  # ragged
         [np.zeros(3, ">f4"), np.zeros(3, ">f4")],  # big-endian: torch refuses it
         [np.array(["a"]), np.array(["b"])],  # strings
     ],
-    ids=["ragged", "big-endian", "strings"],
+    ids=["big-endian", "strings"],
 )
 def test_what_torch_refuses_fails_with_torchs_error(batch: list[np.ndarray]) -> None:
     with pytest.raises(Exception) as theirs:
@@ -117,3 +123,87 @@ def test_rows_of_a_users_array_are_copied_so_a_step_cannot_change_the_data(kind:
     _same(batch, default_collate(rows))
     batch.numpy()[...] = 1
     assert (flat % 2_000 == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("batch", "where"),
+    [
+        ([np.zeros((3, 4)), np.zeros((3, 5))], "a sample has shapes [3, 4], [3, 5]"),
+        ([torch.zeros(2), torch.zeros(3), torch.zeros(1)], "a sample has shapes [2], [3], [1]"),
+        ([{"x": np.zeros(2), "n": 1}, {"x": np.zeros(4), "n": 2}], "sample['x'] has shapes"),
+        ([(np.zeros(1), [1, 2]), (np.zeros(1), [3])], "sample[1] has shapes [2], [1]"),
+    ],
+    ids=["arrays", "tensors", "dicts", "lists in tuples"],
+)
+def test_a_ragged_batch_points_to_collate_fn(batch: list[Any], where: str) -> None:
+    """torch's error says "stack expects each tensor to be equal size" and no more: fastload's
+    default collates (its own, and torch's in a worker) name the place, the shapes, collate_fn
+    and the docs' example."""
+    for collate in (_collate.collate, lambda b: _collate.noted(default_collate, b)):
+        with pytest.raises(ConfigError, match=re.escape(where)) as caught:
+            collate(batch)
+        assert "collate_fn=" in str(caught.value) and 'docs/shapes.md, "Ragged samples"' in str(
+            caught.value
+        )
+        assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own, kept as cause
+
+    def users(samples: list[Any]) -> Any:  # a collate_fn of the user's: its error is its own
+        return default_collate(samples)
+
+    with pytest.raises(RuntimeError):
+        _collate.noted(users, batch)
+
+
+def pad_pulses_of_the_docs() -> Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]:
+    """The collate_fn docs/shapes.md gives under "Ragged samples"."""
+    page = (Path(__file__).parents[1] / "docs" / "shapes.md").read_text()
+    section = page.split("## Ragged samples", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert code is not None
+    namespace: dict[str, Any] = {}
+    exec(code.group(1), namespace)
+    pad: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]] = namespace["pad_pulses"]
+    return pad
+
+
+def pulses_parquet(events: int) -> bytes:
+    """IceCube-like pulses, one row per pulse: event e has 2 + e % 3 pulses at times e, e + 1..."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    counts = [2 + e % 3 for e in range(events)]
+    ids = np.repeat(np.arange(events), counts)
+    times = np.concatenate([np.arange(n, dtype=np.float32) + e for e, n in enumerate(counts)])
+    table = pa.table({"event_id": ids, "time": times, "sensor_id": (ids % 7).astype(np.int16)})
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ragged_parquet_events_need_a_collate_fn_and_the_docs_one_works(
+    seaweed: S3Server, workers: int
+) -> None:
+    root = f"s3://{BUCKET}/ragged-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    write(root, options, {"events/a.parquet": pulses_parquet(12)})
+    events = fastload.RemoteDataset(
+        f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
+    )
+    plain = fastload.DataLoader(events, batch_size=4, shuffle=False, num_workers=workers)
+    shapes = "sample['event_id'] has shapes [2], [3], [4], [2]"  # its first column
+    with pytest.raises(ConfigError, match=re.escape(shapes)):
+        next(iter(plain))
+    padded = fastload.DataLoader(
+        events,
+        batch_size=4,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=pad_pulses_of_the_docs(),
+    )
+    batches = list(padded)
+    assert [b["event_id"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    first = batches[0]
+    assert first["mask"].sum(dim=1).tolist() == [2, 3, 4, 2]
+    assert first["time"].shape == (4, 4) and first["time"][1].tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert first["sensor_id"].dtype == torch.int16

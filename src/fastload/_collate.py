@@ -19,7 +19,7 @@ training step that changes its batch in place must not change a user's dataset.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 from fastload.cache._batch import whole_of
+from fastload.errors import ConfigError
 
 __all__ = ["collate", "noted"]
 
@@ -40,11 +41,15 @@ def collate(batch: list[Any]) -> Any:
 
 def noted(collate_fn: Callable[[list[Any]], Any], batch: list[Any]) -> Any:
     """``collate_fn(batch)``; what it raises carries a note naming the keys whose values are
-    None in some samples (see :func:`_note_nulls`)."""
+    None in some samples (see :func:`_note_nulls`). Where a default collate (fastload's or
+    torch's) fails on samples of different shapes, the error is a :class:`ConfigError` that
+    says to pass ``collate_fn`` (see :func:`_refuse_ragged`)."""
     try:
         return collate_fn(batch)
     except Exception as exc:
         _note_nulls(batch, exc)
+        if collate_fn in (_collate, default_collate) and isinstance(exc, RuntimeError):
+            _refuse_ragged(batch, exc)
         raise
 
 
@@ -78,6 +83,45 @@ def _note_nulls(batch: list[Any], exc: BaseException) -> None:
             f"fastload: samples of this batch hold None at {shown} (a null in a parquet "
             "column?): fill it in transform=, or pass a collate_fn that keeps it"
         )
+
+
+def _refuse_ragged(batch: list[Any], exc: RuntimeError) -> None:
+    """Raise a :class:`ConfigError` pointing to ``collate_fn`` where the samples of ``batch``
+    differ in shape (torch's own error says only "stack expects each tensor to be equal size")."""
+    found = _ragged(batch, "")
+    if found is None:
+        return
+    where, shapes = found
+    shown = ", ".join(str(list(shape)) for shape in shapes[:4]) + (", ..." * (len(shapes) > 4))
+    raise ConfigError(
+        "collate_fn: the default collate stacks a batch's samples into one tensor and cannot "
+        f"stack these: {'sample' + where if where else 'a sample'} has shapes {shown} in one "
+        "batch, as variable-length samples have (parquet rows grouped by row_key=, token lists, "
+        "point clouds). Pass DataLoader(collate_fn=...) that pads or packs them; "
+        'docs/shapes.md, "Ragged samples", has one'
+    ) from exc
+
+
+Shapes = list[tuple[int, ...]]
+
+
+def _ragged(batch: list[Any], where: str) -> tuple[str, Shapes] | None:
+    """The first place (``where``, then keys and positions under it) at which the samples of
+    ``batch`` are arrays, tensors or lists of different shapes, and their shapes; else None."""
+    if all(isinstance(s, np.ndarray | torch.Tensor) for s in batch):
+        shapes: Shapes = [tuple(s.shape) for s in batch]
+        return (where, shapes) if len(set(shapes)) > 1 else None
+    if all(isinstance(s, tuple | list) for s in batch):
+        lengths: Shapes = [(len(s),) for s in batch]
+        if len(set(lengths)) > 1:
+            return where, lengths
+        columns = zip(*batch, strict=True)
+        places = {f"{where}[{i}]": list(column) for i, column in enumerate(columns)}
+    elif all(isinstance(s, Mapping) and s.keys() == batch[0].keys() for s in batch):
+        places = {f"{where}[{key!r}]": [s[key] for s in batch] for key in batch[0]}
+    else:
+        return None
+    return next(filter(None, (_ragged(column, place) for place, column in places.items())), None)
 
 
 def _same_length(batch: list[Any]) -> bool:
