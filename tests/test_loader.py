@@ -1036,3 +1036,26 @@ def test_a_sample_that_fails_to_decode_is_not_fetched_again_every_epoch(
     assert sum(gets[1:]) <= workers, gets
     if not workers:  # (with workers, each worker's counters are its own)
         assert dataset.stats()["dataset"]["skipped_keys"] == [f"{root}/0007.npy"]
+
+
+def test_a_state_saved_at_the_end_of_a_resumed_epoch_with_a_short_last_batch_loads() -> None:
+    """len() is the whole epoch now; the resumed pass had only what was left, and a
+    checkpoint at its end (Lightning saves one) was refused: local_consumed out of range."""
+    first = fastload.DataLoader(
+        list(range(100)), batch_size=32, shuffle=True, seed=0, num_workers=0
+    )
+    batches = iter(first)
+    seen = [int(x) for _ in range(2) for x in next(batches)]
+    state = first.state_dict()
+    resumed = fastload.DataLoader(
+        list(range(100)), batch_size=32, shuffle=True, seed=0, num_workers=0
+    )
+    resumed.load_state_dict(state)
+    rest = [int(x) for batch in resumed for x in batch]
+    assert sorted(seen + rest) == list(range(100)) and len(rest) == 36
+    end = resumed.state_dict()
+    after = fastload.DataLoader(
+        list(range(100)), batch_size=32, shuffle=True, seed=0, num_workers=0
+    )
+    after.load_state_dict(end)
+    assert sorted(int(x) for batch in after for x in batch) == list(range(100))  # next epoch

@@ -35,7 +35,7 @@ from fastload.dataset import Filled
 from fastload.device._batch import pinned
 from fastload.errors import ConfigError
 from fastload.ranks import rank_world, sharding_rank_world, xla_rank_world
-from fastload.sampler import PermutationSampler, _splitmix64
+from fastload.sampler import PermutationSampler, WeightedSampler, _splitmix64
 from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, StallReport, Window, window_report
 from fastload.stats import StageCounters
 
@@ -436,7 +436,7 @@ class DataLoader(tud.DataLoader[Any]):
                 f"got {consumed}"
             )
         per_batch = self.batch_size or 1
-        samples = min(consumed * per_batch, len(sampler))
+        samples = min(consumed * per_batch, sampler.num_left)  # a resumed pass: what it had
         return {"version": _STATE_VERSION, "sampler": sampler.state_dict(local_consumed=samples)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -465,7 +465,7 @@ class DataLoader(tud.DataLoader[Any]):
             raise ConfigError(f"DataLoader.set_epoch: {self._order!r} has no set_epoch")
         set_epoch(epoch)
 
-    def _resumable_sampler(self) -> Any:
+    def _resumable_sampler(self) -> PermutationSampler:
         sampler = self._order
         if self.batch_sampler is not None and self.batch_size is None:
             raise ConfigError(
@@ -473,7 +473,7 @@ class DataLoader(tud.DataLoader[Any]):
                 "position cannot be known)"
             )
         if isinstance(sampler, tud.DistributedSampler) and not isinstance(
-            sampler, PermutationSampler
+            sampler, PermutationSampler | WeightedSampler
         ):
             raise ConfigError(
                 f"DataLoader: cannot resume with {type(sampler).__name__}, a distributed sampler "

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-import re
 import stat
 import tempfile
 import threading
@@ -661,7 +660,8 @@ def _check_keys(keys: Strings, root: str) -> None:
     filled = keys.ends > starts
     first = keys.blob[np.minimum(starts, len(keys.blob) - 1)]
     suspects = set(np.flatnonzero(filled & (first == ord("/"))).tolist())
-    dots = np.asarray([m.start() for m in re.finditer(rb"\.\.", keys.blob.data)], dtype=np.int64)
+    blob = keys.blob
+    dots = np.flatnonzero((blob[:-1] == ord(".")) & (blob[1:] == ord(".")))  # overlapping too
     suspects.update(np.searchsorted(keys.ends, dots, side="right").tolist())
     for index in sorted(suspects):
         key = keys[index]
