@@ -5,6 +5,7 @@ stop the ``warm-cache ... && torchrun train.py`` that follows it."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import fastload as package
-from fastload import Cache, FetchConfig, RemoteDataset, TransientStoreError
+from fastload import Cache, ConfigError, FetchConfig, RemoteDataset, TransientStoreError
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
@@ -103,11 +104,13 @@ def test_a_transform_of_the_training_script_names_what_warm_cache_cached(
     assert imported.stack_channels.fingerprint == read["fingerprint"]
 
 
-def test_fingerprints_name_no_module_and_stay_the_same_in_every_process(tmp_path: Path) -> None:
-    """A versioned function's fingerprint is its name, a digest of its own code and its
-    version: not its module (a script's ``__main__``), so two functions of one name and
-    version but different code stay apart. A set in a function's code (``x in {...}``) gave an
-    unversioned function another fingerprint in every process (a cache missed every run)."""
+def test_a_script_s_versioned_function_is_named_by_the_script_s_module_in_every_process(
+    tmp_path: Path,
+) -> None:
+    """A versioned function of a script run as ``python prep_two.py`` (its functions in
+    ``__main__``) is named ``prep_two.prep:v1``, as ``import prep_two`` names it. A set in a
+    function's code (``x in {...}``) gave an unversioned function another fingerprint in every
+    process (a cache missed every run)."""
     code = textwrap.dedent(
         """
         import fastload
@@ -148,9 +151,18 @@ def test_fingerprints_name_no_module_and_stay_the_same_in_every_process(tmp_path
         seed=2,
     )
     assert as_script == as_module
-    assert as_script[0].startswith("prep:") and as_script[0].endswith(":v1")
-    other = printed("prep_three.py", seed=1)  # the same name and version, other code
-    assert other[0] != as_script[0] and other[1] == as_script[1]
+    assert as_script[0] == "prep_two.prep:v1"
+    other = printed("prep_three.py", seed=1)  # the same function in another module
+    assert other[0] == "prep_three.prep:v1" and other[1] == as_script[1]
+    as_package = printed("-m", "prep_two", seed=3)  # python -m: __spec__ names the module
+    assert as_package == as_script
+
+
+def test_versioned_refuses_objects_whose_parameters_a_name_cannot_tell_apart() -> None:
+    with pytest.raises(ConfigError, match="marks functions, not partial"):
+        package.versioned(1)(functools.partial(np.clip, a_min=0, a_max=1))
+    with pytest.raises(ConfigError, match="marks functions, not Resize"):
+        package.versioned(1)(package.Resize((8, 8)))
 
 
 def test_warm_cache_saves_the_listing_training_starts_from(

@@ -7,9 +7,9 @@ defaults and closure, and what the module-level names it reads hold: constants (
 strings, containers of them, numpy arrays) and functions of its own module, in turn. Edits to
 code it imports from elsewhere, or to classes it uses, are not seen: give those a version.
 
-No fingerprint of a user's function names its module: a training script's ``__main__.prep``
-and the ``mymodule.prep`` that ``fastload warm-cache --transform mymodule:prep`` imports are
-one function, and must name the same cache entries.
+A training script's functions run as ``__main__``; a versioned one is named by the script's
+own module name (``train.prep:v1`` in ``python train.py``), as ``fastload warm-cache
+--transform train:prep`` imports it, so both name the same cache entries.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -90,22 +91,30 @@ def versioned(version: str | int) -> Callable[[F], F]:
 
 
 def _versioned_print(function: Callable[..., Any], version: str | int) -> str:
-    """``name:DIGEST:vVERSION``: the function's qualified name, a digest of its own code (not
-    of what it calls, reads or holds: the version covers those) and the version. Never its
-    module, so a script's ``__main__.prep`` and the ``mymodule.prep`` the CLI imports name the
-    same cache entries; the digest keeps two functions that share a name and a version apart.
+    """``module.name:vVERSION``, where a training script's module is the script's own name:
+    ``python train.py`` runs its functions as ``__main__``, and ``fastload warm-cache
+    --transform train:prep`` imports the same function as ``train.prep``; both name the same
+    cache entries (``train.prep:v1``). Only functions: a callable object or a partial has
+    parameters that a name and a version cannot tell apart (``Resize(224)``, ``Resize(512)``)."""
+    if not isinstance(inspect.unwrap(function), FunctionType):
+        raise ConfigError(
+            f"@versioned marks functions, not {type(function).__name__} objects such as "
+            f"{function!r}: give the object a fingerprint attribute that names its parameters"
+        )
+    return f"{_module_name(function)}.{function.__qualname__}:v{version}"
 
-    fastload's own (its decoders) keep ``module.name:vVERSION``: their module is the same
-    wherever they run, and their versions are kept with their code, so neither an edit that
-    leaves their output alone nor a new Python's bytecode makes the caches of theirs again."""
-    name = getattr(function, "__qualname__", type(function).__qualname__)
-    module = str(getattr(function, "__module__", None) or "")
-    if module.partition(".")[0] == "fastload":
-        return f"{module}.{name}:v{version}"
-    code = getattr(inspect.unwrap(function), "__code__", None)
-    if not isinstance(code, CodeType):  # a callable object: its name and version
-        return f"{name}:v{version}"
-    return f"{name}:{_digest(_code_parts(code))}:v{version}"
+
+def _module_name(function: Callable[..., Any]) -> str:
+    """``function``'s module, a script run as ``__main__`` named as its file would import."""
+    module = str(function.__module__)
+    if module != "__main__":
+        return module
+    namespace = getattr(inspect.unwrap(function), "__globals__", {})
+    spec = namespace.get("__spec__")
+    if spec is not None and spec.name not in ("__main__", None):  # python -m package.train
+        return str(spec.name)
+    path = namespace.get("__file__")
+    return Path(path).stem if path else module  # a notebook or a REPL stays __main__
 
 
 def fingerprint(transform: Callable[..., Any] | None) -> str:
