@@ -730,11 +730,12 @@ class RemoteDataset(_Batched):
         return made
 
     @property
-    def _undecodable(self) -> dict[tuple[str, str], DecodeError]:
-        """(url, version) -> its DecodeError: a sample that failed to decode or transform is
-        not read again while this process runs (a corrupt image was fetched every warm
-        epoch); its object at another version is."""
-        known: dict[tuple[str, str], DecodeError] = self.__dict__.setdefault("_failed", {})
+    def _undecodable(self) -> dict[tuple[str, str], str]:
+        """(url, version) -> why it failed: a sample that failed to decode or transform is not
+        read again while this process runs (a corrupt image was fetched every warm epoch);
+        its object at another version is. Each failure is raised as a new DecodeError (one
+        raised again and again would keep every traceback's frames)."""
+        known: dict[tuple[str, str], str] = self.__dict__.setdefault("_failed", {})
         return known
 
     def _produce(self, samples: list[Sample]) -> list[Any]:
@@ -748,7 +749,7 @@ class RemoteDataset(_Batched):
         for sample in samples:
             failed = known.get((sample.url, sample.version))
             if failed is not None:
-                made.append(failed)
+                made.append(DecodeError(failed, url=sample.url))
                 continue
             payload = next(payloads)
             made.append(
@@ -764,13 +765,12 @@ class RemoteDataset(_Batched):
                 made = self.transform(made)
         except Exception as exc:  # the user's code: name the object, keep the cause
             reason = f"{type(exc).__name__}: {exc}"[:300]
-            error = DecodeError(
-                f"cannot decode or transform the sample ({reason}; not read again while this "
-                f"process runs)",
-                url=sample.url,
-            )
-            self._undecodable[(sample.url, sample.version)] = error
-            return error
+            why = f"cannot decode or transform the sample ({reason})"
+            if not isinstance(exc, MemoryError | ConfigError):  # the sample's own failure
+                self._undecodable[(sample.url, sample.version)] = (
+                    f"{why}; not read again while this process runs"
+                )
+            return DecodeError(why, url=sample.url)
         finally:
             self.counters.dataset.prepare.add(time.perf_counter() - started)
         return made
