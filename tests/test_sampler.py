@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections import Counter
@@ -327,3 +328,20 @@ def test_bad_sizes_and_states_are_config_errors() -> None:
             sampler.load_state_dict({k: v for k, v in good.items() if k != field})
     with pytest.raises(ConfigError, match="epoch must be an int"):
         sampler.load_state_dict({**good, "epoch": "3"})
+
+
+def test_splitting_by_the_launcher_s_variables_without_a_group_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that inherited RANK and WORLD_SIZE (an eval subprocess, a pod's plain script)
+    reads only its share: the log says so, once."""
+    from fastload import ranks
+
+    monkeypatch.setattr(ranks, "_said_env_sharding", [])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with caplog.at_level(logging.WARNING, logger="fastload.ranks"):
+        assert ranks.sharding_rank_world() == (1, 4)
+        assert ranks.sharding_rank_world() == (1, 4)
+    said = [r for r in caplog.records if "RANK=1 and WORLD_SIZE=4" in r.getMessage()]
+    assert len(said) == 1 and "this_rank_only" in said[0].getMessage()

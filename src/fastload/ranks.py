@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import logging
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _calls: dict[int, itertools.count[int]] = {}  # per rank: every rank counts its own calls
 _alone: contextvars.ContextVar[bool] = contextvars.ContextVar("fastload_alone", default=False)
 
@@ -81,7 +83,20 @@ def sharding_rank_world() -> tuple[int, int]:
     inside :func:`this_rank_only`."""
     if _alone.get() or _torch_distributed() or _xla_runtime() is not None:
         return rank_world()
-    return launcher_rank_world()
+    rank, world = launcher_rank_world()
+    if world > 1 and not _said_env_sharding:
+        _said_env_sharding.append(True)
+        log.warning(
+            "no process group: splitting the data by the launcher's RANK=%d and WORLD_SIZE=%d "
+            "(a process that is not one of the job's ranks but inherited them reads only its "
+            "share: run it inside fastload.this_rank_only(), or unset them)",
+            rank,
+            world,
+        )
+    return rank, world
+
+
+_said_env_sharding: list[bool] = []  # the warning above, once per process
 
 
 def this_rank_alone() -> bool:
