@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -65,7 +66,7 @@ class Request:
     def __post_init__(self) -> None:
         self.span  # noqa: B018 (checked once, here)
 
-    @property
+    @functools.cached_property
     def span(self) -> ByteRange:
         """The bytes asked for, as a typed range."""
         start, end = self.start, self.end
@@ -79,6 +80,7 @@ class Request:
             raise ConfigError(f"Request {self.url}: {exc}") from None
 
     def expected_length(self) -> int | None:
+        """The body's length, where the object's size is known."""
         if self.size is None:
             return None
         span = self.span
@@ -86,6 +88,19 @@ class Request:
             return min(span.length, self.size)
         end = self.size if span.end is None else min(span.end, self.size)
         return max(0, end - span.start)
+
+    @functools.cached_property
+    def most(self) -> int | None:
+        """The most bytes the answer may hold: its length where the size is known, else the
+        range's (a range past the object's end comes back shorter); None for a whole object
+        of unknown size."""
+        expected = self.expected_length()
+        if expected is not None:
+            return expected
+        span = self.span
+        if isinstance(span, Suffix):
+            return span.length
+        return None if span.end is None else span.end - span.start
 
 
 @dataclass(frozen=True)
@@ -384,9 +399,9 @@ class _Race:
         self._start()
 
     def _settle(self, task: asyncio.Task[bytes | memoryview]) -> None:
-        if self.answer.done() or task.cancelled():
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()  # retrieved
+        if self.answer.done():
             return
-        error = task.exception()
         if error is None:
             self.fetcher.counters.hedge_wins += task is not self.running[0]
             self.answer.set_result(task.result())
@@ -399,10 +414,11 @@ class _Race:
 class _Tail:
     """When to hedge a read: after ``hedge_after`` when set; else after 1.5 times the 90th
     percentile of the last ``_WINDOW`` small reads' latencies (until ``_LEARN`` were timed, a
-    conservative ``_PRIOR`` plus the read's size at ``_PRIOR_RATE``: a first batch's 32 reads
-    are sent before any answers), for small reads only (a large one's time is its transfer,
-    which a second request would double), while the budget lasts: each small read earns
-    ``hedge_budget`` of a hedge, up to ``_BURST`` saved (and at the start).
+    conservative ``_PRIOR``: a first batch's 32 reads are sent before any answers), plus the
+    read's size at ``_PRIOR_RATE`` (a row group beside footers is given its transfer time), for
+    reads of at most ``_SMALL`` bytes only, while the budget lasts: each such read earns
+    ``hedge_budget`` of a hedge, up to ``_BURST`` saved (and at the start); with none saved,
+    a read is not raced at all.
 
     Real stores have heavy tails (a few % of GETs far above the median; a slow replica makes
     one 10-100x it), and a batch waits for its slowest member: 2% of GETs held 1.5 s cut a
@@ -422,16 +438,15 @@ class _Tail:
             return self.fixed
         if not self.budget:
             return None
-        span = request.span
-        expected = request.expected_length()
-        if expected is None and isinstance(span, Span) and span.end is not None:
-            expected = span.end - span.start
-        if expected is None or expected > _SMALL:
+        most = request.most
+        if most is None or most > _SMALL:
             return None
         self.tokens = min(_BURST, self.tokens + self.budget)
-        if self.after is None:  # still learning: a conservative prior, for a first batch's tail
-            return _PRIOR + expected / _PRIOR_RATE
-        return self.after
+        if self.tokens < 1:  # no hedge to send: no race to set up
+            return None
+        # until the latencies are learned, a conservative prior (a first batch's reads are
+        # all sent before any answers); a read larger than most is given its transfer time
+        return (_PRIOR if self.after is None else self.after) + most / _PRIOR_RATE
 
     def spend(self) -> bool:
         """Whether a hedge may be sent now (a fixed ``hedge_after`` always may)."""
@@ -447,7 +462,7 @@ class _Tail:
             return
         self.times.append(seconds)
         self.since += 1
-        if len(self.times) >= _LEARN and (self.after is None or self.since >= _LEARN // 4):
+        if len(self.times) >= _LEARN and (self.after is None or self.since >= _EVERY):
             ordered = sorted(self.times)
             self.after = max(_FLOOR, 1.5 * ordered[int(0.9 * (len(ordered) - 1))])
             self.since = 0
@@ -455,7 +470,8 @@ class _Tail:
 
 _SMALL = 8 << 20  # bytes: reads hedged by observed latency are at most this large
 _WINDOW = 512  # latest small reads the hedge delay is worked out from
-_LEARN = 16  # small reads timed before any is hedged
+_LEARN = 16  # small reads timed before the delay follows their latencies
+_EVERY = 64  # reads between two workings-out of the delay (a sort of up to 512: 18 us)
 _BURST = 8.0  # hedges that may be saved up
 _FLOOR = 0.002  # seconds: never hedge sooner (a local or in-memory store)
 _PRIOR = 0.25  # seconds before a read is hedged while the latencies are learned...
@@ -467,25 +483,15 @@ def _check_length(request: Request, received: int) -> None:
     most the range's length (a range that runs past the object's end comes back shorter). A
     server that answers more than was asked (a proxy ignoring ``Range``'s end) is a transient
     error, retried like a truncated body, never bytes of someone else's range."""
-    expected = request.expected_length()
+    expected, most = request.expected_length(), request.most
     if expected is not None and received < expected:
         raise TransientStoreError(
             f"truncated body ({received} of {expected} bytes)", url=request.url
         )
-    span = request.span
-    most = (
-        span.length
-        if isinstance(span, Suffix)
-        else None
-        if span.end is None
-        else span.end - span.start
-    )
-    if expected is not None:
-        most = expected
     if most is not None and received > most:
         raise TransientStoreError(
             f"the store answered {received} bytes for a range of {most} "
-            f"({http_range(span).get('Range', 'the whole object')})",
+            f"({http_range(request.span).get('Range', 'the whole object')})",
             url=request.url,
         )
 
