@@ -103,6 +103,9 @@ class Request:
         return None if span.end is None else span.end - span.start
 
 
+_Answer = tuple[bytes | memoryview, float | None]  # a body, and its request's seconds
+
+
 @dataclass(frozen=True)
 class _Target:
     store: Store
@@ -220,7 +223,7 @@ class Fetcher:
                 url=url,
             )
         try:
-            data = await retrying(
+            data, took = await retrying(
                 lambda: self._hedged(lambda: self._attempt(request, target), request),
                 give_up=self._patience(url),
                 backoff=self.config.backoff,
@@ -237,6 +240,9 @@ class Fetcher:
                     url=url,
                 )
             raise error from exc
+        if took is not None:  # the answer's own time (a losing hedge's is not counted)
+            self.counters.latency.add(took)
+            self._tail.observe(len(data), took)
         self.counters.objects += 1
         self.counters.bytes += len(data)
         return data
@@ -325,9 +331,7 @@ class Fetcher:
         finally:
             self._probe = None
 
-    async def _hedged(
-        self, call: Callable[[], Awaitable[bytes | memoryview]], request: Request
-    ) -> bytes | memoryview:
+    async def _hedged(self, call: Callable[[], Awaitable[_Answer]], request: Request) -> _Answer:
         """``call()``'s answer; if none came within the hedge delay (:class:`_Tail`), the
         first good answer of ``call()`` and a second ``call()`` sent then."""
         delay = self._tail.delay(request)
@@ -336,9 +340,10 @@ class Fetcher:
         race = _Race(call, self)
         return await race.run(delay)
 
-    async def _attempt(self, request: Request, target: _Target) -> bytes | memoryview:
+    async def _attempt(self, request: Request, target: _Target) -> _Answer:
+        """The body, and how long the request took (None: no request was needed)."""
         if target.span.empty:
-            return b""  # stores disagree on empty ranges; the answer is known
+            return b"", None  # stores disagree on empty ranges; the answer is known
         self.counters.requests += 1
         sent, started = time.monotonic(), time.perf_counter()
         url = request.url
@@ -356,12 +361,10 @@ class Fetcher:
             )
         _check_length(request, len(body.data))
         took = time.perf_counter() - started
-        self.counters.latency.add(took)
-        self._tail.observe(len(body.data), took)
         self._last_ok = max(self._last_ok, sent)
         if len(body.data):
             self._last_ok_target = target
-        return body.data
+        return body.data, took
 
 
 class _Race:
@@ -370,14 +373,14 @@ class _Race:
     timer and one future (``asyncio.wait`` with a timeout cost every read about 60 us of CPU
     here, a sixth of an obstore GET)."""
 
-    def __init__(self, call: Callable[[], Awaitable[bytes | memoryview]], fetcher: Fetcher):
+    def __init__(self, call: Callable[[], Awaitable[_Answer]], fetcher: Fetcher):
         self.call, self.fetcher = call, fetcher
         loop = asyncio.get_running_loop()
-        self.answer: asyncio.Future[bytes | memoryview] = loop.create_future()
-        self.running: list[asyncio.Task[bytes | memoryview]] = []
+        self.answer: asyncio.Future[_Answer] = loop.create_future()
+        self.running: list[asyncio.Task[_Answer]] = []
         self.timer: asyncio.TimerHandle | None = None
 
-    async def run(self, delay: float) -> bytes | memoryview:
+    async def run(self, delay: float) -> _Answer:
         self._start()
         self.timer = asyncio.get_running_loop().call_later(delay, self._hedge)
         try:
@@ -398,7 +401,7 @@ class _Race:
         self.fetcher.counters.hedges += 1
         self._start()
 
-    def _settle(self, task: asyncio.Task[bytes | memoryview]) -> None:
+    def _settle(self, task: asyncio.Task[_Answer]) -> None:
         error = asyncio.CancelledError() if task.cancelled() else task.exception()  # retrieved
         if self.answer.done():
             return

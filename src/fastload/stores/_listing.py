@@ -77,23 +77,27 @@ class _Progress:
         self.pages = 0
         self.tokens: set[Any] = set()
         self.last: tuple[str, str, int] | None = None
+        self.last_streamed = False
 
     def check(self, page: list[Listed], token: Any) -> None:
         self.pages += 1
         shape = (page[0].key, page[-1].key, len(page)) if page else None
-        if token is None:
-            return
-        repeated = not isinstance(token, Stream) and token in self.tokens
-        if repeated or (shape is not None and shape == self.last):
+        streamed = isinstance(token, Stream)
+        # a stream handed over to botocore lists its range again from its start: the page
+        # after the handover may repeat the stream's last one (kept once, by value)
+        handover = self.last_streamed and not streamed
+        repeated = not streamed and token in self.tokens
+        again = shape is not None and shape == self.last and not handover
+        if token is not None and (repeated or again):
             what = "a continuation token it gave before" if repeated else "the same page again"
             raise StoreError(
                 f"the store answered {what} after {self.pages} pages: its listing would never "
                 f"end (a server bug; fastload stops rather than list forever)",
                 url=self.prefix or "/",
             )
-        if not isinstance(token, Stream):
+        if token is not None and not streamed:
             self.tokens.add(token)
-        self.last = shape
+        self.last, self.last_streamed = shape, streamed
 
 
 async def list_parallel(
