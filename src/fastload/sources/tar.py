@@ -308,7 +308,9 @@ def _check_end(shard: Entry, offset: int, block: bytes, names: list[str]) -> Non
 
 
 def _check_regular(member: tarfile.TarInfo, shard: Entry) -> None:
-    """A regular member whose bytes can be read in place: not sparse, not cut off."""
+    """A regular member whose bytes can be read in place: not sparse, not cut off, nor the
+    block its bytes fill (a shard cut there lost the members after it: tarfile's own error,
+    "unexpected end of data", would not say so)."""
     if member.issparse():  # its bytes in the shard are not the file's
         raise ShardError(
             f"member {member.name!r} is a sparse file, which cannot be read in place",
@@ -318,6 +320,13 @@ def _check_regular(member: tarfile.TarInfo, shard: Entry) -> None:
     if end > shard.size:
         raise ShardError(
             f"truncated: member {member.name!r} ends at byte {end} but the shard has {shard.size}",
+            url=shard.url,
+        )
+    filled = -(-end // _BLOCK) * _BLOCK
+    if filled > shard.size:
+        raise ShardError(
+            f"truncated: it stops at byte {shard.size}, inside the block that member "
+            f"{member.name!r} fills up to byte {filled} (its samples from there on are lost)",
             url=shard.url,
         )
 
