@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 import pytest
 
 import fastload
-from fastload import Cache, CacheFullError, ConfigError, RemoteDataset
+from fastload import Cache, CacheError, CacheFullError, ConfigError, RemoteDataset
 from fastload._cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -398,6 +399,145 @@ def test_a_shared_cache_is_one_cache_for_every_member_of_its_group(open_folder: 
     assert made_by["segments"] == {ALICE, BOB}
     for kind in ("index", "locks", "usage", "manifests"):
         assert made_by.get(kind), f"no {kind} files: {sorted(made_by)}"
+
+
+# --- what a member of a shared cache's group may put in its folders ------------------------------
+#
+# A shared cache's folders are its group's to write, so a member can put a symlink (or a FIFO)
+# where a file of the cache is. One user plays both members here: the swap needs no rights the
+# group lacks, and what a victim's process does through it is the same.
+
+REFUSED = "is a symlink or not a regular file: refused"
+
+
+def plant(path: Path, target: Path) -> None:
+    """Put a symlink to ``target`` where the cache's file ``path`` is (or would be)."""
+    path.unlink(missing_ok=True)
+    path.symlink_to(target)
+
+
+def another_members_file(tmp_path: Path) -> Path:
+    """A file of another member, outside the cache, with an old mtime (a touch would show)."""
+    victim = tmp_path / "home" / "victim.bin"
+    victim.parent.mkdir(exist_ok=True)
+    victim.write_bytes(b"another member's own bytes\n" * 4)
+    os.utime(victim, (1e9, 1e9))
+    return victim
+
+
+def snapshot(path: Path) -> tuple[bytes, int, int]:
+    """What a write, a touch or a chmod through a link would change."""
+    found = path.stat()
+    return path.read_bytes(), found.st_mtime_ns, found.st_mode
+
+
+@pytest.mark.parametrize("call", ["put", "clear"])
+def test_a_usage_file_swapped_for_a_link_is_refused_and_its_target_left_alone(
+    tmp_path: Path, call: str
+) -> None:
+    """usage-npy replaced by a link: the next process to record usage wrote
+    b"%020d %020d\\n" at offset 0 of the linked file (the lock's inode check followed the
+    link too), and ``clear`` zeros there."""
+    root = tmp_path / "cache"
+    cache = Cache(root, shared=True)
+    cache.put("a", np.arange(3))
+    victim = another_members_file(tmp_path)
+    before = snapshot(victim)
+    plant(root / "usage-npy", victim)
+    with pytest.raises(CacheError, match=REFUSED) as refused:
+        if call == "clear":
+            cache.clear()
+        else:
+            Cache(root).put("b", np.arange(4))
+    assert str(root / "usage-npy") in str(refused.value)
+    assert snapshot(victim) == before
+
+
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_an_index_shard_swapped_for_a_link_is_refused_and_its_target_left_alone(
+    tmp_path: Path, call: str
+) -> None:
+    """index/<a>.flnpy replaced by a link: the next process to store an entry appended its
+    48-byte records to the linked file (O_APPEND); a reader parsed that file as records."""
+    root = tmp_path / "cache"
+    Cache(root, shared=True).put("a", np.arange(3))
+    victim = another_members_file(tmp_path)
+    before = snapshot(victim)
+    for digit in "0123456789abcdef":  # every shard: whichever "a" and "b" fall in
+        plant(root / "index" / f"{digit}.flnpy", victim)
+    cache = Cache(root)
+    with pytest.raises(CacheError, match=REFUSED) as refused:
+        if call == "get":
+            cache.get("a")
+        else:
+            cache.put("b", np.arange(4))
+    assert re.search(rf"{re.escape(str(root))}/index/[0-9a-f]\.flnpy {REFUSED}", str(refused.value))
+    assert snapshot(victim) == before
+
+
+def test_a_segment_swapped_for_a_link_is_refused_not_served(tmp_path: Path) -> None:
+    """A segment replaced by a link to another member's private cache's segment, whose entry
+    for the same name passes every check (magic, CRC32C, digest bytes): the reader served
+    the other file's bytes as the sample, and touched its mtime (the budget orders by it)."""
+    private = Cache(tmp_path / "home" / "private")
+    private.put("a", np.full(3, 7))
+    (theirs,) = (private.root / "segments").iterdir()
+    os.utime(theirs, (1e9, 1e9))
+    before = snapshot(theirs)
+    root = tmp_path / "cache"
+    Cache(root, shared=True, max_bytes=10**9).put("a", np.arange(3))
+    (segment,) = (root / "segments").iterdir()
+    plant(segment, theirs)
+    with pytest.raises(CacheError, match=f"{re.escape(str(segment))} {REFUSED}"):
+        Cache(root).get("a")
+    assert snapshot(theirs) == before
+
+
+def test_a_fifo_where_a_segment_was_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO needs no link: opening it to read waited for a writer, for ever."""
+    root = tmp_path / "cache"
+    Cache(root, shared=True).put("a", np.arange(3))
+    (segment,) = (root / "segments").iterdir()
+    segment.unlink()
+    os.mkfifo(segment, 0o660)
+    found: list[list[str]] = []
+    reader = threading.Thread(
+        target=lambda: found.append(outcome(lambda: Cache(root).get("a"))), daemon=True
+    )
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # stuck in open(): a writer's open lets it go (the test fails)
+        os.close(os.open(segment, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join()
+    (kinds, message), *_ = found
+    assert "CacheError" in kinds.split(",") and f"{segment} {REFUSED}" in message, found
+
+
+def test_a_folder_swapped_for_a_link_before_its_mode_is_set_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared cache's new folder was chmod-ed 2770 by its path after the mkdir: a member
+    who swapped a link in for it in between had the maker chmod the link's target (another
+    member's ~/.ssh, say). The swap is made right after the mkdir (a link put there before
+    fails the mkdir itself, and ``make_dirs`` takes a link to a folder for one made)."""
+    victim = tmp_path / "home" / ".ssh"
+    victim.mkdir(parents=True)
+    victim.chmod(0o700)
+    root = tmp_path / "cache"
+    mkdir = Path.mkdir
+
+    def mkdir_then_swap(path: Path, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
+        mkdir(path, mode, *args, **kwargs)
+        if path == root / "segments":
+            path.rmdir()
+            path.symlink_to(victim)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_swap)
+    folder = re.escape(str(root / "segments"))
+    with pytest.raises(CacheError, match=f"{folder} is a symlink or not a folder: refused"):
+        Cache(root, shared=True)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o700
+    assert list(victim.iterdir()) == []
 
 
 def test_cache_options_are_checked(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 :class:`FileLock` is a whole file (``flock``). A lock file may be removed by its exclusive
 holder; whoever locked the old inode notices that the path now names another file (or none)
-and tries again, so two holders never coexist.
+and tries again, so two holders never coexist. It must be a regular file (a symlink or a FIFO
+put there is refused): the usage files are written through their lock's descriptor.
 
 :class:`RangeLock` is one byte of a file that many keys share (Linux open-file-description
 locks): no file is created or removed per key. On this project's development machine (ext4)
@@ -19,7 +20,7 @@ import struct
 from pathlib import Path
 from typing import Union
 
-from fastload.cache._perms import PRIVATE, Modes, make_dirs, open_file
+from fastload.cache._perms import PRIVATE, Modes, make_dirs, open_file, regular_file
 
 __all__ = [
     "OFD_LOCKS",
@@ -50,19 +51,27 @@ class FileLock:
         mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
         while True:
             fd = self._open()
+            inode = regular_file(fd, self.path).st_ino
             try:
                 fcntl.flock(fd, mode)
             except BlockingIOError:
                 os.close(fd)
                 return False
             try:
-                current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                current = os.lstat(self.path).st_ino == inode
             except FileNotFoundError:
                 current = False
             if current:
                 self._fd = fd
                 return True
             os.close(fd)  # the holder before us removed this file: lock the new one
+
+    @property
+    def fd(self) -> int:
+        """The locked file, open for reading and writing (while the lock is held)."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is not locked by this holder")
+        return self._fd
 
     def release(self, *, remove: bool = False) -> None:
         """Let go; ``remove`` (exclusive holders only) deletes the lock file first."""

@@ -42,7 +42,7 @@ from crc32c import crc32c
 
 from fastload.cache._batch import Rows, Split
 from fastload.cache._locks import lock_whole
-from fastload.cache._perms import Modes, exists, naming, open_file
+from fastload.cache._perms import Modes, exists, naming, open_file, open_regular, regular_file
 from fastload.cache.formats import MIN_ENTRY, Encoded, FileFormat, read_at
 from fastload.errors import CorruptEntryError
 
@@ -166,9 +166,9 @@ class Packed:
                     for i, _ in entries:
                         self._forget(digests[i])
                     continue
-                if touch:
+                if touch:  # never the mtime of what a link swapped in since points to
                     with contextlib.suppress(FileNotFoundError):
-                        os.utime(self._segment_path(segment))
+                        os.utime(self._segment_path(segment), follow_symlinks=False)
         if gone and again:
             for i, found in zip(
                 gone,
@@ -276,14 +276,16 @@ class Packed:
             return label
 
     def _segment_fd(self, segment: int) -> int:
-        """An open descriptor of the segment (the caller holds the lock)."""
+        """An open descriptor of the segment (the caller holds the lock), checked once per
+        open to be a regular file: a link to another file (say another cache's segment,
+        whose entries would pass their checks) is refused, not served."""
         fd = self._fds.get(segment)
         if fd is not None and os.fstat(fd).st_nlink:
             self._fds.move_to_end(segment)
             return fd
         if fd is not None:  # evicted or cleared since it was opened
             os.close(self._fds.pop(segment))
-        fd = os.open(self._segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(self._segment_path(segment))
         self._fds[segment] = fd
         if len(self._fds) > _OPEN_SEGMENTS:
             os.close(self._fds.popitem(last=False)[1])
@@ -299,16 +301,16 @@ class Packed:
         replaced or is new to this process)."""
         path = self._index_path(shard)
         try:
-            status = os.stat(path)
+            status = os.lstat(path)
             if self._read_to.get(shard) == (status.st_ino, status.st_size):
                 return  # nothing new: a stat, not an open and a read (a cold epoch's misses)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, opened = open_regular(path)
         except FileNotFoundError:  # none yet, or cleared
             self._known.pop(shard, None)
             self._read_to.pop(shard, None)
             return
         try:
-            inode = os.fstat(fd).st_ino
+            inode = opened.st_ino
             seen_inode, start = self._read_to.get(shard, (inode, 0))
             if seen_inode != inode:
                 start = 0
@@ -433,8 +435,9 @@ class Packed:
         segment, and the next segment opens the index again."""
         opened = self._appending.get(shard)
         if opened is None:
-            fd = open_file(self._index_path(shard), os.O_WRONLY | os.O_APPEND, self.modes)
-            opened = self._appending[shard] = (fd, os.fstat(fd).st_ino)
+            path = self._index_path(shard)
+            fd = open_file(path, os.O_WRONLY | os.O_APPEND, self.modes)
+            opened = self._appending[shard] = (fd, regular_file(fd, path).st_ino)
         return opened
 
     def _index_path(self, shard: str) -> str:
@@ -465,13 +468,13 @@ class Packed:
         """Delete a segment no writer holds; the bytes freed and the entries it held (0, 0 when
         held or gone)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd, _ = open_regular(path, os.O_RDWR)
         except FileNotFoundError:
             return 0, 0
         try:
             if not lock_whole(fd, shared=False):
                 return 0, 0  # its writer may still append
-            size = os.fstat(fd).st_size
+            size = os.fstat(fd).st_size  # once locked: no writer appends any more
             os.unlink(path)
         finally:
             os.close(fd)

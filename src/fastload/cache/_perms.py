@@ -5,8 +5,22 @@ A cache is its maker's alone (folders 0700, files 0600) unless it was made share
 folders are 2770 (the setgid bit hands the folder's group down to everything made in it) and
 files 0660, so every member of that group reads, writes, evicts and repairs it alike. The
 marker records which (``"shared"``), so every later process makes its files the same way. A
-shared cache's files are given their mode outright (``fchmod``/``chmod`` once, when made): the
+shared cache's files are given their mode outright (``fchmod`` once, when made): the
 umask (022 by default) would take the group's write bit.
+
+Every member of a shared cache's group may put anything in its folders, a symlink to another
+member's file or a FIFO included, so every open of a cache file is ``O_NOFOLLOW`` (a link is
+never followed), ``O_NONBLOCK`` (a FIFO cannot stall the open; for a regular file it changes
+nothing) and ``O_CLOEXEC``; and a file written in place or read (the usage files, index
+shards, segments, entries, the marker) is checked to be a regular file by the ``fstat`` its
+reader makes anyway, or once per open where it is opened once and used many times: else a
+:class:`~fastload.errors.CacheError` names it. (The shared lock files of entries, a byte each,
+opened per lock and never read or written, get the flags alone: no call more per entry.) A
+folder the cache makes is given its mode through a descriptor of that folder, never by its
+path, which a member could swap for a link between the ``mkdir`` and the ``chmod``.
+
+Only the last part of a path is guarded so: a subfolder of the cache swapped for a link after
+a ``Cache`` checked it at open is followed (docs/cache.md says what that allows).
 """
 
 from __future__ import annotations
@@ -19,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastload.errors import CacheError
+
 __all__ = [
     "PRIVATE",
     "SHARED",
@@ -29,7 +45,16 @@ __all__ = [
     "make_dirs",
     "naming",
     "open_file",
+    "open_regular",
+    "read_regular",
+    "regular_file",
 ]
+
+_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""Added to every open of a cache file (see the module's docstring)."""
+_NOT_FOLLOWED = (errno.ELOOP, errno.ENXIO, errno.EISDIR)
+"""An open with ``_FLAGS`` met a symlink, a FIFO no one reads (or a socket), or a folder."""
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -51,10 +76,22 @@ PRIVATE, SHARED = Modes(shared=False), Modes(shared=True)
 
 
 def make_dir(path: Path, modes: Modes) -> None:
-    """``mkdir`` of ``modes.folder`` (FileExistsError when something is there)."""
+    """``mkdir`` of ``modes.folder`` (FileExistsError when something is there); a shared
+    cache's is given its mode through a descriptor of the folder made (a link swapped in for
+    it meanwhile is refused, never ``chmod``-ed: it may point at another member's folder)."""
     path.mkdir(mode=modes.folder)
-    if modes.shared:
-        os.chmod(path, modes.folder)
+    if not modes.shared:
+        return
+    try:
+        fd = os.open(path, _FOLDER)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise refused(path, "folder") from exc
+        raise
+    try:
+        os.fchmod(fd, modes.folder)
+    finally:
+        os.close(fd)
 
 
 def make_dirs(path: Path, modes: Modes = PRIVATE) -> None:
@@ -72,18 +109,19 @@ def make_dirs(path: Path, modes: Modes = PRIVATE) -> None:
 
 
 def open_file(path: str | Path, flags: int, modes: Modes = PRIVATE) -> int:
-    """``os.open(path, flags | O_CREAT | O_CLOEXEC)``; a file this creates is ``modes.file``
-    whatever the umask. A shared cache opens a file that is there without creating it (one
-    call, as a private one), and gives the mode to one it creates."""
+    """``os.open(path, flags | O_CREAT)``, never through a symlink (see ``_open``); a file
+    this creates is ``modes.file`` whatever the umask. A shared cache opens a file that is
+    there without creating it (one call, as a private one), and gives the mode to one it
+    creates. What is opened is not checked to be a regular file: see :func:`regular_file`."""
     if not modes.shared:
-        return os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, modes.file)
+        return _open(path, flags | os.O_CREAT, modes.file)
     exclusive = flags & os.O_EXCL
     while True:
         if not exclusive:
             with contextlib.suppress(FileNotFoundError):
-                return os.open(path, flags | os.O_CLOEXEC)
+                return _open(path, flags)
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, modes.file)
+            fd = _open(path, flags | os.O_CREAT | os.O_EXCL, modes.file)
         except FileExistsError:
             if exclusive:
                 raise
@@ -94,6 +132,62 @@ def open_file(path: str | Path, flags: int, modes: Modes = PRIVATE) -> int:
             os.close(fd)
             raise
         return fd
+
+
+def open_regular(path: str | Path, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    """Open the regular file that is at ``path`` (never made, never through a symlink): its
+    descriptor and status; anything else there is :func:`refused`."""
+    fd = _open(path, flags)
+    return fd, regular_file(fd, path)
+
+
+def regular_file(fd: int, path: str | Path) -> os.stat_result:
+    """The status of ``fd``, opened from ``path``, which must be a regular file: else ``fd``
+    is closed and :func:`refused` raised. (A FIFO, a folder or a device would hang or fail a
+    read, or be written in place as if it were the cache's.)"""
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise refused(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return found
+
+
+def read_regular(path: str | Path) -> bytes:
+    """The whole regular file at ``path`` (a small one: a marker, a usage file, metadata),
+    never read through a symlink."""
+    fd, found = open_regular(path)
+    try:
+        chunks = []
+        while chunk := os.read(fd, found.st_size + 1):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def refused(path: str | Path, kind: str = "regular file") -> CacheError:
+    """The error for a symlink, or something not a ``kind``, where the cache keeps one of its
+    own: a member of a shared cache's group may have put it there to make this process
+    write, change or read what it points to (docs/cache.md, "Sharing a cache between users
+    or jobs")."""
+    return CacheError(
+        f"{path} is a symlink or not a {kind}: refused (a cache never follows a link or uses "
+        "anything but its own files and folders in its folder; remove it)"
+    )
+
+
+def _open(path: str | Path, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` with ``_FLAGS``: a symlink, a FIFO that would block, a socket or a folder
+    where a file of the cache belongs is :func:`refused`."""
+    try:
+        return os.open(path, flags | _FLAGS, mode)
+    except OSError as exc:
+        if exc.errno in _NOT_FOLLOWED:
+            raise refused(path) from exc
+        raise
 
 
 def exists(path: str | Path) -> bool:
@@ -110,11 +204,13 @@ def exists(path: str | Path) -> bool:
 @contextlib.contextmanager
 def naming(path: str | Path) -> Iterator[None]:
     """An OSError inside that names no file (a write to an open descriptor: a full disk)
-    names ``path``, so the message says which file could not be written."""
+    names ``path``, so the message says which file could not be written. (A CacheError
+    names its file in its message: a filename would replace that.)"""
     try:
         yield
     except OSError as exc:
-        exc.filename = exc.filename or str(path)
+        if not isinstance(exc, CacheError):
+            exc.filename = exc.filename or str(path)
         raise
 
 

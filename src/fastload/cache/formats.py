@@ -51,7 +51,16 @@ from crc32c import crc32c
 
 from fastload._extras import import_extra
 from fastload.cache._batch import Shared, Spans, Split, made_rows
-from fastload.cache._perms import Modes, denied, make_dir, make_dirs, naming, open_file
+from fastload.cache._perms import (
+    Modes,
+    denied,
+    make_dir,
+    make_dirs,
+    naming,
+    open_file,
+    open_regular,
+    read_regular,
+)
 from fastload.cache._tree import Leaf, Spec, descr, flatten, unflatten
 from fastload.errors import CacheError, CorruptEntryError, UnsupportedSampleError
 from fastload.resources import PerProcess
@@ -348,7 +357,7 @@ class FileFormat(Format):
     def _header(self, path: str | Path) -> dict[str, Any]:
         """An earlier version's file entry's header and name alone, unchecked: enough to name
         an entry whose body is damaged."""
-        with open(path, "rb") as f:
+        with open(open_regular(path)[0], "rb") as f:
             prefix = f.read(_PREFIX_V2.size)
             if prefix[:8] == _MAGIC_V1 and len(prefix) >= _PREFIX_V1.size:
                 size = _PREFIX_V1.size + _PREFIX_V1.unpack_from(prefix)[1]
@@ -395,9 +404,9 @@ def _create(path: Path, modes: Modes) -> Iterator[io.BufferedWriter]:
 def _read_checked(path: str | Path) -> np.ndarray:
     """The whole file as a writable uint8 array. (Plain descriptors: a file object cost a warm
     read of a 77 KB entry a sixth of its time.)"""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd, found = open_regular(path)
     try:
-        return read_at(fd, 0, os.fstat(fd).st_size, path)
+        return read_at(fd, 0, found.st_size, path)
     finally:
         os.close(fd)
 
@@ -726,7 +735,7 @@ def _write_json(path: Path, document: dict[str, Any], modes: Modes) -> None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        document: dict[str, Any] = json.loads(path.read_bytes())
+        document: dict[str, Any] = json.loads(read_regular(path))
     except ValueError as exc:
         raise CorruptEntryError(f"cache entry metadata is unreadable: {path}") from exc
     return document
@@ -783,9 +792,12 @@ class ZarrArray:
         list(_pool().map(one, chunks) if self.compressed else map(one, chunks))
         return out
 
-    def _open(self, key: str) -> io.FileIO:
+    def _open(self, key: str) -> tuple[io.FileIO, int]:
+        """Chunk ``key``'s file, unbuffered, and its size (a regular file, never through a
+        link)."""
         try:
-            return open(self.path / key, "rb", buffering=0)
+            fd, found = open_regular(self.path / key)
+            return open(fd, "rb", buffering=0), found.st_size
         except FileNotFoundError as exc:
             raise CorruptEntryError(f"cache entry lacks chunk {key}: {self.path}") from exc
         except PermissionError as exc:
@@ -798,9 +810,9 @@ class ZarrArray:
         """Read an uncompressed chunk into ``pieces`` (its place in the output, in order)."""
         key = _chunk_key(index)
         tail = bytearray(4)
-        with self._open(key) as f:
+        f, size = self._open(key)
+        with f:
             got = os.readv(f.fileno(), [*(p.data for p in pieces), tail])
-            size = os.fstat(f.fileno()).st_size
         crc = 0
         for piece in pieces:
             crc = crc32c(piece.data, crc)
@@ -815,8 +827,8 @@ class ZarrArray:
         """One chunk, checked and decompressed into this thread's reused buffers."""
         key = _chunk_key(index)
         nbytes = math.prod(self.chunks) * self.dtype.itemsize
-        with self._open(key) as f:
-            size = os.fstat(f.fileno()).st_size
+        f, size = self._open(key)
+        with f:
             data = _scratch_buffer("data", size)
             got = f.readinto(data.data)
         if got != size or size < 4 or crc32c(data[:-4].data) != int(data[-4:].view("<u4")[0]):

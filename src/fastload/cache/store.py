@@ -22,7 +22,10 @@ A sample's digest is a hash of its name and the format, so no name can reach out
 Readers never see a partial entry (segment entries appear by their index record, written after
 their bytes; zarr entries by rename); a crashed writer leaves unindexed bytes in its segment or
 a file in tmp/, which the next Cache removes once no one holds the entry's lock. The
-cache deletes only what it wrote: names it made, in folders it made, never through a symlink.
+cache deletes only what it wrote: names it made, in folders it made, never through a symlink;
+it opens only regular files, never through a symlink, and sets a folder's mode through the
+folder's own descriptor (see cache/_perms.py: what a member of a shared cache's group may put
+in its folders).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from fastload.cache._perms import (
     make_dirs,
     naming,
     open_file,
+    read_regular,
 )
 from fastload.cache._tree import unflatten
 from fastload.cache.formats import (
@@ -304,18 +308,24 @@ class Cache:
 
     def _share_root(self) -> None:
         """A shared cache's folder is its group's to read, write and traverse, and hands its
-        group down (setgid): add what a folder made before the cache lacks."""
-        mode = stat.S_IMODE(os.stat(self.root).st_mode)
-        if mode | SHARED.folder == mode:
-            return
+        group down (setgid): add what a folder made before the cache lacks. Through a
+        descriptor, so the mode read and the one set are one folder's (the root itself may be
+        a link the user named)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.chmod(self.root, mode | SHARED.folder)
-        except PermissionError as exc:
-            raise CacheError(
-                f"a shared cache's folder must be its group's to read, write and traverse and "
-                f"hand its group down (chmod g+rwxs): {self.root} has mode {mode:04o}, which "
-                "only its owner can change"
-            ) from exc
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if mode | SHARED.folder == mode:
+                return
+            try:
+                os.fchmod(fd, mode | SHARED.folder)
+            except PermissionError as exc:
+                raise CacheError(
+                    f"a shared cache's folder must be its group's to read, write and traverse "
+                    f"and hand its group down (chmod g+rwxs): {self.root} has mode {mode:04o}, "
+                    "which only its owner can change"
+                ) from exc
+        finally:
+            os.close(fd)
 
     def _check_access(self) -> None:
         """The cache's folders are this process's to read and traverse (and write, unless read
@@ -379,7 +389,7 @@ class Cache:
     def _read_marker(self, marker: Path) -> None:
         """This layout's marker: its shard width and modes (a cache made before 2026-11-28 is
         private), or a CacheError."""
-        found = json.loads(marker.read_text())
+        found = json.loads(read_regular(marker))
         if not isinstance(found, dict):
             found = {}
         width = found.get("shard_width", _OLD_SHARD_WIDTH)
@@ -499,8 +509,8 @@ class Cache:
             self._discard_file(digest, path, exc, held)
             return _MISSING
         if self.max_bytes is not None and not self.read_only:  # no budget: nothing to order
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # mtime orders eviction (least recently used first)
+            with contextlib.suppress(FileNotFoundError):  # mtime orders eviction (LRU first)
+                os.utime(path, follow_symlinks=False)
         return value
 
     def _unpacked(self, digest: str, found: Entry | CorruptEntryError) -> Any:
@@ -911,6 +921,8 @@ class Cache:
                     self.max_bytes = used[1] or None  # the folder's, as another process set it
                     if self.max_bytes is not None and used[0] > self.max_bytes:
                         used[0] = self._evict(int(self.max_bytes * _LOW_WATER))
+        except CacheError:
+            raise  # names its file already (a link or a FIFO refused)
         except OSError as exc:
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise self._write_error(exc, f"{names[0]}{more}") from exc
@@ -945,10 +957,11 @@ class Cache:
                 yield state
             return
         try:
-            with open(path, "rb") as f:
-                yield _parse_usage(f.read(64), self._scan_bytes)
+            raw = read_regular(path)
         except FileNotFoundError:
             yield [self._scan_bytes(), 0]
+            return
+        yield _parse_usage(raw[:64], self._scan_bytes)
 
     def _add_usage(self, delta: int) -> None:
         with self._usage() as used:
@@ -1127,9 +1140,9 @@ class Cache:
         """Empty the entries' folders and zero every format's count, under their locks."""
         counters = sorted(self.root.glob("usage-*"))
         locks = [FileLock(path, modes=self._modes) for path in counters]
-        for lock in locks:  # in name order: two clears never wait on each other
-            lock.acquire()
-        try:
+        try:  # (one refused: those taken before it are let go)
+            for lock in locks:  # in name order: two clears never wait on each other
+                lock.acquire()
             for sub in ("entries", "locks", "segments", "index"):
                 folder = self.root / sub
                 shutil.rmtree(folder, ignore_errors=True)
@@ -1139,12 +1152,8 @@ class Cache:
                     raise CacheError(
                         f"cannot clear the cache in {self.root}: {_stuck(folder)}"
                     ) from None
-            for path in counters:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    os.pwrite(fd, b"%020d" % 0, 0)
-                finally:
-                    os.close(fd)
+            for lock in locks:  # written through the lock's descriptor: a checked regular file
+                os.pwrite(lock.fd, b"%020d" % 0, 0)
         finally:
             for lock in locks:
                 lock.release()
@@ -1173,15 +1182,11 @@ def _usage_file(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path} stayed locked")
             time.sleep(0.01)
-    try:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            state = _parse_usage(os.pread(fd, 64, 0), scan)
-            yield state
-            with naming(path):  # a full disk, for a new file
-                os.pwrite(fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
-        finally:
-            os.close(fd)
+    try:  # the lock's descriptor: a regular file, never opened through a symlink
+        state = _parse_usage(os.pread(lock.fd, 64, 0), scan)
+        yield state
+        with naming(path):  # a full disk, for a new file
+            os.pwrite(lock.fd, b"%020d %020d\n" % (max(0, state[0]), state[1]), 0)
     finally:
         lock.release()
 
@@ -1218,8 +1223,10 @@ def _being_made(name: str) -> bool:
 
 
 def _atomic_text(path: Path, text: str, modes: Modes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with naming(tmp), open(open_file(tmp, os.O_WRONLY | os.O_TRUNC, modes), "w") as out:
+    """``text`` as the file ``path``: written whole as a new file of a random name (``O_EXCL``:
+    nothing already there is truncated or written through), then renamed over it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with naming(tmp), open(open_file(tmp, os.O_WRONLY | os.O_EXCL, modes), "w") as out:
         out.write(text)
     os.replace(tmp, path)
 
