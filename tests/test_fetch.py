@@ -386,3 +386,18 @@ def test_the_slow_tail_is_hedged_by_observed_latency_within_its_budget(
     off = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(hedge_budget=0))
     assert off.fetch(requests[:150]) == list(data.values())[:150]
     assert off.counters.hedges == 0
+
+
+def test_an_endpoint_given_by_the_environment_is_the_fast_path_s_too(
+    seaweed: S3Server, objects: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS_ENDPOINT_URL with the keys and region in the environment (a MinIO or SeaweedFS
+    setup): s3fs honoured it, the obstore fast path assumed AWS's address and failed after
+    8 s of retries (a 'builder error')."""
+    options = seaweed.storage_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    fetcher = Fetcher(config=FetchConfig(hedge_budget=0, retries=1, outage_budget=0))
+    assert fetcher.fetch(list(objects)) == list(objects.values())

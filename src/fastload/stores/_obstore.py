@@ -84,7 +84,12 @@ def _s3_kwargs(options: Mapping[str, Any]) -> dict[str, Any] | None:
         "addressing_style"
     }:
         return None
-    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    endpoint = (  # botocore reads the service's then the global variable, as obstore does
+        options.get("endpoint_url")
+        or client_kwargs.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
     region = (
         client_kwargs.get("region_name")
         or os.environ.get("AWS_REGION")
