@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import subprocess
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 # Hedging by observed latency is on by default; on a loaded 2-core test machine it sends a
@@ -14,6 +16,7 @@ os.environ["FASTLOAD_FETCH_HEDGE_BUDGET"] = "0"
 
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,6 +90,21 @@ def assert_identities(dataset: RemoteDataset, indices: list[int]) -> None:
     samples = [dataset.source[i] for i in indices]
     expected = [(s.url, s.version, s.label) for s in samples]
     assert dataset.source.identities(indices) == expected
+
+
+@contextlib.contextmanager
+def small_tmpfs(disk: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (tmpfs, e.g. "1m") at ``disk``: writes past it fail with
+    ENOSPC, as on a full disk. Skips the test where it cannot be mounted (it needs root)."""
+    disk.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]
+    mounted = subprocess.run(command, check=False, capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def in_forked_child(call: Callable[[], Any]) -> Any:

@@ -29,6 +29,7 @@ from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
 from fastload._collate import collate
 from fastload.cache import _packed, formats, store
 from fastload.cache._locks import RangeLock, range_held
+from tests.conftest import small_tmpfs
 
 FORMATS = ["pt", "npy", "zarr"]
 
@@ -1359,17 +1360,8 @@ def test_lock_dirs_created_by_many_threads_at_once_never_fail(tmp_path: Path) ->
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB file system (tmpfs): writes past it fail with ENOSPC, as on a full disk."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
-    mounted = subprocess.run(command, check=False, capture_output=True)  # needs root
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 @pytest.mark.parametrize("fmt", ["npy", "zarr"])

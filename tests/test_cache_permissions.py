@@ -36,6 +36,7 @@ import pytest
 import fastload
 from fastload import Cache, CacheError, CacheFullError, ConfigError, RemoteDataset
 from fastload._cli import main
+from tests.conftest import small_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = Path(fastload.__file__).resolve().parents[1]  # the jobs use the fastload this test does
@@ -551,17 +552,8 @@ def test_cache_options_are_checked(tmp_path: Path) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB file system (tmpfs): writes past it fail with ENOSPC, as on a full disk."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
-    mounted = subprocess.run(command, check=False, capture_output=True)  # needs root
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_cache_verify_on_a_full_disk_names_the_file_it_could_not_write(
