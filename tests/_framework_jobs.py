@@ -140,6 +140,10 @@ def accelerate(spec: dict[str, Any]) -> None:
     result["resumed mid"] = accelerated(spec, range(1, EPOCHS), load=state / "mid")
     result["resumed end"] = accelerated(spec, range(1, EPOCHS), load=state / "end")
     write(spec, accelerator.process_index, result)
+    # the process group Accelerator made, ended before the interpreter (a rank that exited
+    # with it alive aborted now and then: "terminate called without an active exception")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def accelerated(
