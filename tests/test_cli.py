@@ -134,10 +134,14 @@ def test_an_interrupted_warm_is_finished_by_a_rerun(
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C as a terminal delivers it: an inherited "ignore SIGINT" (a test runner's
+        # worker may have one) would keep Python from installing its KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and entries(tmp_path / "c") < 8:
         time.sleep(0.05)
+    assert proc.poll() is None, "warm-cache finished before it could be interrupted"
     proc.send_signal(how)
     stdout, stderr = proc.communicate(timeout=60)
     if how == signal.SIGINT:
