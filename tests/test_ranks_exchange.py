@@ -292,3 +292,15 @@ def test_a_short_secret_is_a_config_error(store_env: Path, monkeypatch: pytest.M
     monkeypatch.setenv("FASTLOAD_STORE_SECRET", "job42")
     with pytest.raises(ConfigError, match="FASTLOAD_STORE_SECRET has 5 characters"):
         RankStore(0)
+
+
+def test_the_exchange_settings_come_from_the_launcher_s_variables() -> None:
+    from fastload.config import ExchangeConfig
+
+    assert ExchangeConfig.from_env({}) == ExchangeConfig("localhost", 29517, None)
+    env = {"MASTER_ADDR": "10.0.0.2", "FASTLOAD_STORE_PORT": "4000", "FASTLOAD_STORE_SECRET": "s"}
+    assert ExchangeConfig.from_env(env) == ExchangeConfig("10.0.0.2", 4000, "s")
+    with pytest.raises(ConfigError, match="FASTLOAD_STORE_PORT='x'"):
+        ExchangeConfig.from_env({"FASTLOAD_STORE_PORT": "x"})
+    with pytest.raises(ConfigError, match=r"ExchangeConfig\.port"):
+        ExchangeConfig.from_env({"FASTLOAD_STORE_PORT": "70000"})

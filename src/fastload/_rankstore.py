@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fastload._wire import decode, encode
+from fastload.config import ExchangeConfig
 from fastload.errors import ConfigError, RankExchangeError
 
 __all__ = ["RankStore", "sign"]
@@ -56,10 +57,9 @@ class RankStore:
     """One rank's client of the store rank 0 serves (rank 0's serves it, too)."""
 
     def __init__(self, rank: int) -> None:
-        self.host = os.environ.get("MASTER_ADDR") or "localhost"
-        self.port = int(os.environ.get("FASTLOAD_STORE_PORT", "29517"))
+        config = ExchangeConfig.from_env()
+        self.host, self.port, secret = config.host, config.port, config.secret
         self.where = f"the rank store at {self.host}:{self.port}"
-        secret = os.environ.get("FASTLOAD_STORE_SECRET")
         with self._talking("serve" if rank == 0 else "reach"):
             if rank == 0:
                 self._key = _given(secret) if secret else _made(self._key_file())
@@ -160,8 +160,7 @@ def _given(secret: str) -> bytes:
     if len(secret) < _SECRET_CHARS:
         raise ConfigError(
             f"FASTLOAD_STORE_SECRET has {len(secret)} characters, fewer than "
-            f"{_SECRET_CHARS}: use a random one, e.g. python -c "
-            "'import secrets; print(secrets.token_hex(32))'"
+            f"{_SECRET_CHARS}: use a random one, e.g. the output of 'openssl rand -hex 32'"
         )
     return secret.encode()
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from fastload.errors import ConfigError
 
-__all__ = ["ChunkConfig", "FetchConfig"]
+__all__ = ["ChunkConfig", "DecodeConfig", "ExchangeConfig", "FetchConfig"]
 
 
 def _check(owner: object, name: str, ok: bool, expected: str) -> None:
@@ -118,6 +118,36 @@ class DecodeConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DecodeConfig:
         """Defaults overridden by ``FASTLOAD_DECODE_<FIELD>`` (FASTLOAD_DECODE_MAX_BYTES)."""
         return _from_env(cls(), "FASTLOAD_DECODE_", environ)
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """Where ranks with no process group (torch_xla) meet, and the secret that signs what
+    they hand each other (see docs/reliability.md, "Security").
+
+    host: rank 0's address (``MASTER_ADDR``, else localhost); its store listens there alone.
+    port: the store's port (``FASTLOAD_STORE_PORT``).
+    secret: the job's signing secret (``FASTLOAD_STORE_SECRET``); None: rank 0 makes a key
+        file for its host, which ranks on other hosts cannot read.
+    """
+
+    host: str = "localhost"
+    port: int = 29517
+    secret: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self, "port", _is_int(self.port) and 0 < self.port < 65536, "in [1, 65535]")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExchangeConfig:
+        env = os.environ if environ is None else environ
+        try:
+            port = int(env.get("FASTLOAD_STORE_PORT", cls.port))
+        except ValueError as exc:
+            raise ConfigError(f"FASTLOAD_STORE_PORT={env['FASTLOAD_STORE_PORT']!r}: {exc}") from exc
+        return cls(
+            env.get("MASTER_ADDR") or cls.host, port, env.get("FASTLOAD_STORE_SECRET") or None
+        )
 
 
 C = TypeVar("C", FetchConfig, ChunkConfig, DecodeConfig)
