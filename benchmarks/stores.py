@@ -26,6 +26,7 @@ from s3torchconnector import S3ClientConfig, S3MapDataset
 
 from fastload import FetchConfig, Fetcher, Manifest
 from fastload.stores import filesystem
+from fastload.stores.s3 import FAST_PATH
 from fastload.testing import FaultProxy, Faults, SeaweedS3Server
 
 BUCKET = "bench"
@@ -78,14 +79,15 @@ def fetch_rows(n: int, repeats: int, progress: Callable[[str], None]) -> list[di
             def s3fs_cat(batch: int) -> Callable[[], int]:
                 return lambda: len(s3fs_fs.cat(paths, batch_size=batch))
 
-            def ours(config: FetchConfig) -> Callable[[], int]:
-                return lambda: len(Fetcher(options, config).fetch(urls))
+            def ours(config: FetchConfig, fast_path: bool = True) -> Callable[[], int]:
+                store_options = {**options, FAST_PATH: fast_path}
+                return lambda: len(Fetcher(store_options, config).fetch(urls))
 
             clients: dict[str, Callable[[], int]] = {
                 "s3fs cat, 32 in flight": s3fs_cat(32),
                 "s3fs cat, 128 in flight": s3fs_cat(128),
                 "fastload general path (s3fs), 64 in flight": ours(
-                    FetchConfig(concurrency=64, fast_path=False)
+                    FetchConfig(concurrency=64), fast_path=False
                 ),
                 "fastload (obstore fast path), 64 in flight": ours(FetchConfig(concurrency=64)),
                 "s3torchconnector S3MapDataset, DataLoader 4 workers": _s3torch_rate(

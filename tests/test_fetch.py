@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 
 from fastload import fetcher as fetcher_module
-from fastload.config import FetchConfig
+from fastload.config import FetchConfig, s3_fast_path
 from fastload.errors import ConfigError, ObjectNotFoundError, TransientStoreError
 from fastload.fetcher import Fetcher, Request, fetch
 from fastload.stores import filesystem
 from fastload.stores._base import Body
+from fastload.stores.s3 import FAST_PATH
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
 
@@ -49,8 +50,8 @@ def test_retries_run_out_into_a_named_transient_error(
     proxy.set_faults(Faults(error_503=1.0))
     url = next(iter(objects))
     fetcher = Fetcher(
-        seaweed.storage_options(proxy.endpoint),
-        FetchConfig(hedge_budget=0, retries=2, outage_budget=0, fast_path=fast_path),
+        {**seaweed.storage_options(proxy.endpoint), FAST_PATH: fast_path},
+        FetchConfig(hedge_budget=0, retries=2, outage_budget=0),
     )
     with pytest.raises(TransientStoreError) as info:
         fetcher.fetch([url])
@@ -99,11 +100,10 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
     body = os.urandom(4_500_000)
     url = f"{route[:2]}://{BUCKET}/slow-{uuid.uuid4().hex[:8]}.bin"
     filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
-    config = FetchConfig(
-        hedge_budget=0, timeout=3.0, retries=0, outage_budget=0, fast_path=route != "s3-s3fs"
-    )
+    config = FetchConfig(hedge_budget=0, timeout=3.0, retries=0, outage_budget=0)
     with FaultProxy(server.endpoint, flavor={"b2": "b2", "gs": "gcs"}.get(route, "s3")) as proxy:
-        fetcher = Fetcher(server.storage_options(proxy.endpoint), config)
+        options = {**server.storage_options(proxy.endpoint), FAST_PATH: route != "s3-s3fs"}
+        fetcher = Fetcher(options, config)
         fetcher.fetch([Request(url, 0, 10)])  # clients made and signed in: not what is timed
         proxy.set_faults(Faults(bandwidth=1_000_000, methods=("GET",)))
         assert fetcher.fetch([Request(url, size=len(body))]) == [body]
@@ -120,7 +120,8 @@ def test_bodies_are_bytes_unless_buffers_are_asked_for(
     """Users get ``bytes``; the shard readers ask for obstore's own buffer (no copy of a
     15 MB chunk), which stays valid after the fetcher is gone."""
     urls = sorted(objects)[:4]
-    fetcher = Fetcher(seaweed.storage_options(), FetchConfig(hedge_budget=0, fast_path=fast_path))
+    options = {**seaweed.storage_options(), FAST_PATH: fast_path}
+    fetcher = Fetcher(options, FetchConfig(hedge_budget=0))
     sized = [Request(u, size=len(objects[u])) for u in urls]  # known length: read whole
     bodies = fetcher.fetch([*urls, *sized, Request(urls[0], 10, 20, size=len(objects[urls[0]]))])
     assert [type(b) for b in bodies] == [bytes] * 9
@@ -291,7 +292,11 @@ def test_bad_items_and_config_are_typed_errors() -> None:
 def test_config_from_environment() -> None:
     env = {"FASTLOAD_FETCH_CONCURRENCY": "8", "FASTLOAD_FETCH_HEDGE_AFTER": "0.5"}
     assert FetchConfig.from_env(env) == FetchConfig(concurrency=8, hedge_after=0.5)
-    assert FetchConfig.from_env({"FASTLOAD_FETCH_FAST_PATH": "false"}).fast_path is False
+    fast_path_off = {"FASTLOAD_FETCH_FAST_PATH": "false"}  # the S3 store's default now
+    assert FetchConfig.from_env(fast_path_off).fast_path is None  # (no deprecated field set)
+    assert s3_fast_path(fast_path_off) is False and s3_fast_path({}) is True
+    with pytest.raises(ConfigError, match="FASTLOAD_FETCH_FAST_PATH='maybe'"):
+        s3_fast_path({"FASTLOAD_FETCH_FAST_PATH": "maybe"})
     with pytest.raises(ConfigError, match="FASTLOAD_FETCH_TIMEOUT='soon'"):
         FetchConfig.from_env({"FASTLOAD_FETCH_TIMEOUT": "soon"})
     with pytest.raises(ConfigError, match=r"FetchConfig\.timeout"):
@@ -336,11 +341,9 @@ def test_a_range_answered_with_more_bytes_than_asked_is_retried_never_used(
     body = os.urandom(300)
     filesystem(url, server.storage_options()).pipe_file(url.split("://")[1], body)
     with FaultProxy(server.endpoint, flavor=flavor) as proxy:
+        options = {**server.storage_options(proxy.endpoint), FAST_PATH: fast_path}
         fetcher = Fetcher(
-            server.storage_options(proxy.endpoint),
-            FetchConfig(
-                hedge_budget=0, retries=2, outage_budget=0, backoff=0.01, fast_path=fast_path
-            ),
+            options, FetchConfig(hedge_budget=0, retries=2, outage_budget=0, backoff=0.01)
         )
         proxy.set_faults(Faults(overlong=1.0, methods=("GET",)))
         with pytest.raises(TransientStoreError) as info:
@@ -349,10 +352,7 @@ def test_a_range_answered_with_more_bytes_than_asked_is_retried_never_used(
         assert "164 bytes" in str(info.value)
         # some answers overlong: the retried read gives exactly the bytes asked for
         fetcher = Fetcher(
-            server.storage_options(proxy.endpoint),
-            FetchConfig(
-                hedge_budget=0, retries=12, outage_budget=0, backoff=0.01, fast_path=fast_path
-            ),
+            options, FetchConfig(hedge_budget=0, retries=12, outage_budget=0, backoff=0.01)
         )
         proxy.set_faults(Faults(overlong=0.3, methods=("GET",), seed=3))
         got = fetcher.fetch([Request(url, start=s, end=s + 100) for s in (0, 50, 200)] * 4)

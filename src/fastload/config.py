@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from fastload.errors import ConfigError
 
-__all__ = ["ChunkConfig", "DecodeConfig", "ExchangeConfig", "FetchConfig"]
+__all__ = ["ChunkConfig", "DecodeConfig", "ExchangeConfig", "FetchConfig", "s3_fast_path"]
 
 
 def _check(owner: object, name: str, ok: bool, expected: str) -> None:
@@ -43,8 +44,10 @@ class FetchConfig:
         timed: after 0.25 s plus its size at 8 MiB/s).
     hedge_budget: the most hedges as a share of requests (0 turns adaptive hedging off; a
         fixed ``hedge_after`` is not budgeted).
-    fast_path: read s3:// through obstore when it is installed and the storage_options allow
-        (see ``fastload.stores._obstore``); False always uses fsspec.
+    fast_path: deprecated (a DeprecationWarning; removed in the next release): whether the
+        S3 store reads through obstore is its own option now,
+        ``storage_options={"fastload_fast_path": False}`` (default: :func:`s3_fast_path`).
+        Given here, it still applies to the reads of a Fetcher whose options do not say.
     """
 
     concurrency: int = 64
@@ -56,7 +59,7 @@ class FetchConfig:
     max_backoff: float = 5.0
     hedge_after: float | None = None
     hedge_budget: float = 0.05
-    fast_path: bool = True
+    fast_path: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self, "concurrency", _is_int(self.concurrency) and self.concurrency >= 1, ">= 1")
@@ -68,12 +71,38 @@ class FetchConfig:
         _check(self, "hedge_after", hedge is None or (_is_num(hedge) and hedge > 0), "None or > 0")
         budget = self.hedge_budget
         _check(self, "hedge_budget", _is_num(budget) and 0 <= budget <= 1, "in [0, 1]")
-        _check(self, "fast_path", isinstance(self.fast_path, bool), "a bool")
+        if self.fast_path is not None:
+            _check(self, "fast_path", isinstance(self.fast_path, bool), "a bool")
+            warnings.warn(
+                "FetchConfig(fast_path=...) is deprecated and will be removed in the next "
+                "release: pass storage_options={'fastload_fast_path': "
+                f"{self.fast_path}}} (the S3 store's own option) instead",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of FetchConfig(...)
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FetchConfig:
-        """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY)."""
-        return _from_env(cls(), "FASTLOAD_FETCH_", environ)
+        """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY).
+        ``FASTLOAD_FETCH_FAST_PATH`` is the S3 store's default now (:func:`s3_fast_path`)."""
+        return _from_env(cls(), "FASTLOAD_FETCH_", environ, skip={"fast_path"})
+
+
+def s3_fast_path(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the S3 store reads and lists ``s3://`` through obstore (where it is installed
+    and the options suit it) when its ``storage_options`` do not say
+    (``"fastload_fast_path"``): ``FASTLOAD_FETCH_FAST_PATH`` (true/false), else True."""
+    env = os.environ if environ is None else environ
+    raw = env.get(_FAST_PATH_ENV)
+    if raw is None:
+        return True
+    try:
+        return _parse_bool(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{_FAST_PATH_ENV}={raw!r}: {exc}") from exc
+
+
+_FAST_PATH_ENV = "FASTLOAD_FETCH_FAST_PATH"
 
 
 @dataclass(frozen=True)
@@ -153,10 +182,17 @@ class ExchangeConfig:
 C = TypeVar("C", FetchConfig, ChunkConfig, DecodeConfig)
 
 
-def _from_env(default: C, prefix: str, environ: Mapping[str, str] | None) -> C:
+def _from_env(
+    default: C,
+    prefix: str,
+    environ: Mapping[str, str] | None,
+    skip: Collection[str] = (),
+) -> C:
     env = os.environ if environ is None else environ
     changes: dict[str, Any] = {}
     for f in fields(default):
+        if f.name in skip:
+            continue
         name = prefix + f.name.upper()
         raw = env.get(name)
         if raw is None:
@@ -173,10 +209,14 @@ def _parse(default: object, raw: str) -> int | float | bool | None:
     if raw.lower() == "none":
         return None
     if isinstance(default, bool):
-        if raw.lower() not in {"0", "1", "true", "false"}:
-            raise ValueError("expected true/false")
-        return raw.lower() in {"1", "true"}
+        return _parse_bool(raw)
     return int(raw) if isinstance(default, int) else float(raw)
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() not in {"0", "1", "true", "false"}:
+        raise ValueError("expected true/false")
+    return raw.lower() in {"1", "true"}
 
 
 def _is_int(value: object) -> bool:

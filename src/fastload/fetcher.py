@@ -2,10 +2,9 @@
 
 Reads go to each URL's :class:`~fastload.stores.Store` (:func:`fastload.stores.open_store`),
 driven on fsspec's IO loop (the one s3fs and gcsfs run on); this module does not know which
-backend serves them. Every failure is classified once
-(:func:`fastload.stores.classify`): transient ones are retried with full-jitter exponential
-backoff, the rest, and those that outlast the retries, are raised as fastload errors naming the
-object.
+backend serves them. A store raises fastload's errors only, naming the object: transient ones
+(:class:`~fastload.errors.TransientStoreError`) are retried with full-jitter exponential
+backoff, the rest, and those that outlast the retries, are raised as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 import fsspec.asyn
 
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, ObjectChangedError, TransientStoreError
+from fastload.errors import ConfigError, FastloadError, ObjectChangedError, TransientStoreError
 from fastload.stats import FetchStats
 from fastload.stores import (
     ByteRange,
@@ -33,10 +32,10 @@ from fastload.stores import (
     open_store,
     parse_url,
     storage_options_of,
-    translate,
 )
 from fastload.stores._base import Patience, http_range
 from fastload.stores._retry import retrying
+from fastload.stores.s3 import FAST_PATH
 
 __all__ = ["Fetcher", "Request", "fetch"]
 
@@ -137,6 +136,7 @@ class Fetcher:
     ) -> None:
         self.storage_options = storage_options_of(storage_options)
         self.config = config or FetchConfig.from_env()
+        self._store_options = _with_deprecated_fast_path(self.storage_options, self.config)
         self.counters = FetchStats()
         self._last_ok = 0.0  # when the latest attempt that succeeded was sent (time.monotonic)
         self._last_ok_target: _Target | None = None  # an object that attempt read bytes of
@@ -185,10 +185,7 @@ class Fetcher:
         parsed = parse_url(request.url)
         if parsed.scheme not in stores:
             stores[parsed.scheme] = open_store(
-                parsed,
-                self.storage_options,
-                fast_path=self.config.fast_path,
-                threads=self.config.concurrency,
+                parsed, self._store_options, threads=self.config.concurrency
             )
         return _Target(stores[parsed.scheme], parsed, request.span)
 
@@ -230,16 +227,15 @@ class Fetcher:
                 max_backoff=self.config.max_backoff,
                 on_retry=lambda exc: log.debug("retrying %s after %r", url, exc),
             )
-        except Exception as exc:  # translated here, at the one boundary
+        except FastloadError as exc:  # the store's own, naming the object
             self.counters.failures += 1
-            error = translate(exc, url)
-            if url in self._quarantined and isinstance(error, TransientStoreError):
-                error = TransientStoreError(
+            if url in self._quarantined and isinstance(exc, TransientStoreError):
+                raise TransientStoreError(
                     f"quarantined for {self.config.quarantine:g} s: it kept failing while the "
-                    f"store answered other requests ({error})",
+                    f"store answered other requests ({exc})",
                     url=url,
-                )
-            raise error from exc
+                ) from exc
+            raise
         if took is not None:  # the answer's own time (a losing hedge's is not counted)
             self.counters.latency.add(took)
             self._tail.observe(len(data), took)
@@ -348,11 +344,7 @@ class Fetcher:
         sent, started = time.monotonic(), time.perf_counter()
         url = request.url
         patience = Patience(self.config.timeout, request.expected_length())
-        try:
-            body = await target.store.read(target.url, target.span, request.version, patience)
-        except TimeoutError as exc:
-            message = f"nothing received for {self.config.timeout:g} s"
-            raise TransientStoreError(message, url=url) from exc
+        body = await target.store.read(target.url, target.span, request.version, patience)
         if request.version and body.served and request.version not in body.served:
             raise ObjectChangedError(
                 f"changed since the manifest was built (indexed version {request.version!r}, "
@@ -497,6 +489,14 @@ def _check_length(request: Request, received: int) -> None:
             f"({http_range(request.span).get('Range', 'the whole object')})",
             url=request.url,
         )
+
+
+def _with_deprecated_fast_path(options: dict[str, Any], config: FetchConfig) -> dict[str, Any]:
+    """``options`` with the deprecated ``config.fast_path`` as the S3 store's own option,
+    where they do not say."""
+    if config.fast_path is None or FAST_PATH in options:
+        return options
+    return {**options, FAST_PATH: config.fast_path}
 
 
 def fetch(

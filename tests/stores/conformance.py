@@ -10,19 +10,28 @@ from __future__ import annotations
 import os
 import random
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec.asyn
 import pytest
 
 from fastload import manifest as manifest_module
 from fastload.config import FetchConfig
-from fastload.errors import AccessDeniedError, ConfigError, ObjectNotFoundError
+from fastload.errors import (
+    AccessDeniedError,
+    ConfigError,
+    FastloadError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
 from fastload.fetcher import Fetcher, Request
 from fastload.manifest import Manifest
-from fastload.stores import _listing, _obstore, filesystem, open_store, parse_url
-from fastload.testing import FaultProxy
+from fastload.stores import Span, Store, _listing, _obstore, filesystem, open_store, parse_url
+from fastload.stores._base import ByteRange, Patience
+from fastload.testing import FaultProxy, Faults
 
 
 @dataclass
@@ -33,6 +42,9 @@ class Case:
     proxy: FaultProxy | None = None
     bad_secret: str | None = None  # the wrong secret in bad_options: never in errors
     bad_options: Mapping[str, Any] = field(default_factory=dict)  # wrong credentials
+    upstream: str | None = None  # the server's endpoint, for a fault proxy of a test's own
+    flavor: str = "s3"  # the proxy's flavor for that server
+    via: Callable[[str], Mapping[str, Any]] | None = None  # read options through a proxy there
 
     def url(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -305,3 +317,143 @@ class CredentialConformance:
         for error in (info.value, listing.value):
             assert case.bad_secret and case.bad_secret not in str(error)
             assert case.bad_secret not in repr(error)
+
+
+# -- the store itself, called directly: fastload's errors only ---------------------------------
+
+
+def store_of(case: Case, options: Mapping[str, Any] | None = None) -> Store:
+    return open_store(parse_url(case.root), case.read_options if options is None else options)
+
+
+WHOLE = Span()
+
+
+def read(store: Store, url: str, span: ByteRange = WHOLE, silence: float = 30.0) -> bytes:
+    """``store.read`` run on fsspec's IO loop, as :class:`Fetcher` runs it."""
+    loop = fsspec.asyn.get_loop()
+    body = fsspec.asyn.sync(loop, store.read, parse_url(url), span, None, Patience(silence))
+    return bytes(body.data)
+
+
+def page(store: Store, case: Case, bucket: str | None = None) -> Any:
+    """The first page of the case's prefix (or of ``bucket``), as Manifest asks for it."""
+    root = parse_url(case.root)
+    lister = store.lister(bucket or root.bucket)
+    assert lister is not None
+    prefix = "" if bucket else root.key + "/"
+    return fsspec.asyn.sync(fsspec.asyn.get_loop(), lister.page, prefix, None, None, 100)
+
+
+def raised(call: Callable[[], object]) -> FastloadError:
+    """What ``call()`` raises; anything but a fastload error fails the test as it is."""
+    with pytest.raises(FastloadError) as info:
+        call()
+    return info.value
+
+
+class StoreErrorConformance:
+    """Every store raises fastload's errors only, each naming the object: what fetch and
+    Manifest see of a store is never its client's own exception."""
+
+    def test_a_missing_object_is_not_found_at_the_store(self, case: Case) -> None:
+        case.write({"present.bin": b"here"})
+        store = store_of(case)
+        missing = case.url("absent.bin")
+        calls = {
+            "read": lambda: read(store, missing),
+            "ranged read": lambda: read(store, missing, Span(0, 2)),
+            "stat": lambda: store.stat(parse_url(missing)),
+        }
+        for name, call in calls.items():
+            error = raised(call)
+            assert isinstance(error, ObjectNotFoundError), (name, error)
+            assert error.url == missing, (name, error)
+
+    def test_a_range_past_the_end_is_nothing_or_a_store_error(self, case: Case) -> None:
+        """A range that starts past the object's end: the bytes there (none), or, where the
+        server refuses such a range (S3 and GCS answer 416), a StoreError naming the object."""
+        case.write({"short.bin": b"0123456789"})
+        store = store_of(case)
+        url = case.url("short.bin")
+        for span in (Span(20, 30), Span(20)):
+            try:
+                body = read(store, url, span)
+            except FastloadError as error:
+                assert isinstance(error, StoreError) and error.url == url, (span, error)
+            else:
+                assert body == b"", span
+
+
+class BucketErrorConformance:
+    """Stores with buckets: a missing bucket, at the store."""
+
+    def test_a_missing_bucket_is_not_found_at_the_store(self, case: Case) -> None:
+        scheme = case.root.split("://")[0]
+        bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+        url = f"{scheme}://{bucket}/key"
+        store = store_of(case)
+        calls = {
+            "read": lambda: read(store, url),
+            "stat": lambda: store.stat(parse_url(url)),
+            "page": lambda: page(store, case, bucket),
+        }
+        for name, call in calls.items():
+            error = raised(call)
+            assert isinstance(error, ObjectNotFoundError), (name, error)
+            assert error.url is not None and bucket in error.url, (name, error)
+
+
+class DeniedErrorConformance:
+    """Stores that check credentials: wrong ones, at the store."""
+
+    def test_wrong_credentials_are_access_denied_at_the_store(self, case: Case) -> None:
+        case.write({"secret.bin": b"s"})
+        store = store_of(case, case.bad_options)
+        url = case.url("secret.bin")
+        calls = {
+            "read": lambda: read(store, url),
+            "stat": lambda: store.stat(parse_url(url)),
+            "page": lambda: page(store, case),
+        }
+        for name, call in calls.items():
+            error = raised(call)
+            assert isinstance(error, AccessDeniedError), (name, error)
+            assert error.url is not None and parse_url(url).bucket in error.url, (name, error)
+            assert case.bad_secret and case.bad_secret not in f"{error} {error!r}", name
+
+
+class FaultErrorConformance:
+    """Stores behind a fault proxy of the test's own: throttling (503) and connection resets
+    on every request, at the store. ``listing_faults``: whether a page and a stat are tried
+    too (gcsfs retries those itself, 6 times over about 30 s, which fastload cannot turn off)."""
+
+    listing_faults = True
+
+    def test_a_transient_fault_is_a_transient_store_error_at_the_store(self, case: Case) -> None:
+        assert case.upstream is not None and case.via is not None
+        case.write({"a.bin": b"abc"})
+        url = case.url("a.bin")
+        bucket = parse_url(url).bucket
+        with FaultProxy(case.upstream, flavor=case.flavor) as proxy:  # type: ignore[arg-type]
+            store = store_of(case, case.via(proxy.endpoint))
+            assert read(store, url) == b"abc"  # signed in (B2 authorizes through the proxy)
+            calls: dict[str, Callable[[], object]] = {"read": lambda: read(store, url)}
+            if self.listing_faults:
+                calls |= {
+                    "stat": lambda: store.stat(parse_url(url)),
+                    "page": lambda: page(store, case),
+                }
+            for faults in (Faults(error_503=1.0), Faults(reset=1.0)):
+                proxy.set_faults(faults)
+                for name, call in calls.items():
+                    error = raised(call)
+                    assert isinstance(error, TransientStoreError), (name, faults, error)
+                    assert error.url is not None and bucket in error.url, (name, error)
+                    if name == "read":
+                        assert error.url == url
+            proxy.set_faults(Faults(stall=1.0, stall_seconds=3.0))
+            error = raised(lambda: read(store, url, silence=0.5))
+            assert isinstance(error, TransientStoreError) and error.url == url, error
+            assert "nothing received for 0.5 s" in str(error)
+            assert isinstance(error.__cause__, TimeoutError)  # what fetch counts as a stall

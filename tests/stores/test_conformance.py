@@ -8,15 +8,19 @@ from typing import Any
 
 import pytest
 
-from fastload.config import FetchConfig
+from fastload.stores.s3 import FAST_PATH
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
 from tests.stores.conformance import (
     BucketConformance,
+    BucketErrorConformance,
     Case,
     CredentialConformance,
+    DeniedErrorConformance,
+    FaultErrorConformance,
     FetchConformance,
     ManifestConformance,
+    StoreErrorConformance,
     fresh,
 )
 
@@ -25,16 +29,27 @@ BAD_SECRET = "wrong-secret-0b7e"
 FAULTS = Faults(error_503=0.05, reset=0.02, truncate=0.02, seed=7)
 
 
-def s3_case(server: S3Server, proxy: FaultProxy | None = None) -> Case:
-    endpoint = proxy.endpoint if proxy else None
+def s3_case(server: S3Server, proxy: FaultProxy | None = None, *, obstore: bool = True) -> Case:
+    """``obstore=False``: the S3 store's general path, s3fs alone (the store's own option)."""
+
+    def via(endpoint: str | None) -> dict[str, Any]:
+        return {**server.storage_options(endpoint), FAST_PATH: obstore}
+
     return Case(
         root=fresh(f"s3://{BUCKET}"),
         write_options=server.storage_options(),
-        read_options=server.storage_options(endpoint),
+        read_options=via(proxy.endpoint if proxy else None),
         proxy=proxy,
         bad_secret=BAD_SECRET,
-        bad_options={**server.storage_options(), "secret": BAD_SECRET},
+        bad_options={**via(None), "secret": BAD_SECRET},
+        upstream=server.endpoint,
+        flavor="s3",
+        via=via,
     )
+
+
+def s3fs_case(server: S3Server, proxy: FaultProxy | None = None) -> Case:
+    return s3_case(server, proxy, obstore=False)
 
 
 def gcs_case(server: FakeGcsServer, proxy: FaultProxy | None = None) -> Case:
@@ -43,6 +58,9 @@ def gcs_case(server: FakeGcsServer, proxy: FaultProxy | None = None) -> Case:
         write_options=server.storage_options(),
         read_options=server.storage_options(proxy.endpoint if proxy else None),
         proxy=proxy,
+        upstream=server.endpoint,
+        flavor="gcs",
+        via=server.storage_options,
     )
 
 
@@ -54,25 +72,39 @@ def b2_case(server: B2Server, proxy: FaultProxy | None = None) -> Case:
         proxy=proxy,
         bad_secret=BAD_SECRET,
         bad_options={**server.storage_options(), "key": BAD_SECRET},
+        upstream=server.endpoint,
+        flavor="b2",
+        via=server.storage_options,
     )
 
 
 class TestSeaweedS3(
-    FetchConformance, ManifestConformance, BucketConformance, CredentialConformance
+    FetchConformance,
+    ManifestConformance,
+    BucketConformance,
+    CredentialConformance,
+    StoreErrorConformance,
+    BucketErrorConformance,
+    DeniedErrorConformance,
+    FaultErrorConformance,
 ):
     @pytest.fixture
     def case(self, seaweed: S3Server) -> Case:
         return s3_case(seaweed)
 
 
-class TestSeaweedS3GeneralPath(FetchConformance):
-    """The s3fs path, with the obstore fast path off."""
-
-    fetch_config = FetchConfig(fast_path=False)
+class TestSeaweedS3GeneralPath(
+    FetchConformance,
+    StoreErrorConformance,
+    BucketErrorConformance,
+    DeniedErrorConformance,
+    FaultErrorConformance,
+):
+    """The s3fs path, with the obstore fast path off (the S3 store's own option)."""
 
     @pytest.fixture
     def case(self, seaweed: S3Server) -> Case:
-        return s3_case(seaweed)
+        return s3fs_case(seaweed)
 
 
 class TestMotoS3(FetchConformance, ManifestConformance, BucketConformance):
@@ -82,26 +114,44 @@ class TestMotoS3(FetchConformance, ManifestConformance, BucketConformance):
         return s3_case(moto)
 
 
-class TestFakeGcs(FetchConformance, ManifestConformance, BucketConformance):
-    # fake-gcs-server accepts any credentials, so the credential test cannot apply.
+class TestFakeGcs(
+    FetchConformance,
+    ManifestConformance,
+    BucketConformance,
+    StoreErrorConformance,
+    BucketErrorConformance,
+    FaultErrorConformance,
+):
+    # fake-gcs-server accepts any credentials, so the credential tests cannot apply.
+    listing_faults = False  # gcsfs retries pages and stats itself, for about 30 s
+
     @pytest.fixture
     def case(self, gcs: FakeGcsServer) -> Case:
         return gcs_case(gcs)
 
 
-class TestB2(FetchConformance, ManifestConformance, BucketConformance, CredentialConformance):
+class TestB2(
+    FetchConformance,
+    ManifestConformance,
+    BucketConformance,
+    CredentialConformance,
+    StoreErrorConformance,
+    BucketErrorConformance,
+    DeniedErrorConformance,
+    FaultErrorConformance,
+):
     @pytest.fixture
     def case(self, b2: B2Server) -> Case:
         return b2_case(b2)
 
 
-class TestLocalFiles(FetchConformance, ManifestConformance):
+class TestLocalFiles(FetchConformance, ManifestConformance, StoreErrorConformance):
     @pytest.fixture
     def case(self, tmp_path: Path) -> Case:
         return Case(root=f"file://{tmp_path}", write_options={}, read_options={})
 
 
-class TestMemory(FetchConformance, ManifestConformance):
+class TestMemory(FetchConformance, ManifestConformance, StoreErrorConformance):
     @pytest.fixture
     def case(self) -> Case:
         return Case(root=fresh("memory://conformance"), write_options={}, read_options={})
@@ -129,11 +179,10 @@ class TestSeaweedS3FaultsGeneralPath(FetchConformance):
     """The s3fs path (obstore fast path off) through the same faults."""
 
     objects = 120
-    fetch_config = FetchConfig(fast_path=False)
 
     @pytest.fixture
     def case(self, seaweed: S3Server) -> Iterator[Case]:
-        yield from through_faults(seaweed, "s3", s3_case)
+        yield from through_faults(seaweed, "s3", s3fs_case)
 
 
 class TestFakeGcsFaults(FetchConformance, ManifestConformance):

@@ -92,6 +92,43 @@ def test_an_obstore_client_made_in_the_parent_is_not_used_in_a_forked_child() ->
     assert in_forked_child(lambda: store._store("bucket") is None) is True  # type: ignore[attr-defined]
 
 
+def test_the_obstore_fast_path_is_the_s3_store_s_own_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """obstore in front of s3fs is set in the S3 store's options (``fastload_fast_path``),
+    taken out before any client sees them; FASTLOAD_FETCH_FAST_PATH is its default; the
+    deprecated ``FetchConfig(fast_path=)`` still applies to a Fetcher's reads, with a
+    warning that names the option."""
+    pytest.importorskip("obstore")
+    from fastload.config import FetchConfig
+    from fastload.fetcher import Fetcher, Request
+    from fastload.stores import open_store
+    from fastload.stores._obstore import ObstoreStore
+    from fastload.stores.s3 import FAST_PATH, S3Store
+
+    url = parse_url("s3://bucket/x")
+    off = {**_OBSTORE_OPTIONS, FAST_PATH: False}
+    assert type(open_store(url, _OBSTORE_OPTIONS)) is ObstoreStore
+    assert type(open_store(url, off)) is S3Store
+    assert filesystem(url, off) is filesystem(url, _OBSTORE_OPTIONS)  # s3fs never sees it
+    with pytest.raises(ConfigError, match=r"storage_options\['fastload_fast_path'\]"):
+        open_store(url, {**_OBSTORE_OPTIONS, FAST_PATH: "no"})
+    monkeypatch.setenv("FASTLOAD_FETCH_FAST_PATH", "false")
+    assert type(open_store(url, _OBSTORE_OPTIONS)) is S3Store
+    assert type(open_store(url, {**_OBSTORE_OPTIONS, FAST_PATH: True})) is ObstoreStore
+    monkeypatch.delenv("FASTLOAD_FETCH_FAST_PATH")
+    with pytest.warns(DeprecationWarning, match=r"storage_options=\{'fastload_fast_path': False\}"):
+        deprecated = FetchConfig(fast_path=False)
+
+    def store_of(fetcher: Fetcher) -> object:
+        return fetcher._target(Request("s3://bucket/x"), {}).store
+
+    assert type(store_of(Fetcher(_OBSTORE_OPTIONS, deprecated))) is S3Store
+    assert (
+        type(store_of(Fetcher({**_OBSTORE_OPTIONS, FAST_PATH: True}, deprecated))) is ObstoreStore
+    )
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [

@@ -1,12 +1,14 @@
 """URL → store: one fsspec filesystem per process and per (scheme, options), and the
 :class:`~fastload.stores._base.Store` over it that fetch and Manifest use.
 
-``s3://`` (s3fs, with obstore in front when it can), ``gs://`` (gcsfs), ``b2://`` (fastload's
-own filesystem over b2sdk), ``file://`` and ``memory://``. :func:`open_store` is the one place
-that picks a backend; each backend's knowledge lives in its module (``s3``, ``_obstore``,
-``gcs``, ``b2``, ``_fsspec``). Filesystems are created lazily, cached per process, and created
-afresh in a forked child (a client's connection pool must never be shared across a fork).
-Errors from the clients become fastload's own at one boundary: :func:`translate`.
+``s3://`` (s3fs, with obstore in front when it can and ``storage_options`` do not turn it off:
+:data:`fastload.stores.s3.FAST_PATH`), ``gs://`` (gcsfs), ``b2://`` (fastload's own filesystem
+over b2sdk), ``file://`` and ``memory://``. :func:`open_store` is the one place that picks a
+backend; each backend's knowledge lives in its module (``s3``, ``_obstore``, ``gcs``, ``b2``,
+``_fsspec``). Filesystems are created lazily, cached per process, and created afresh in a forked
+child (a client's connection pool must never be shared across a fork). Each store raises
+fastload's errors only: its methods translate their client's own at their edge
+(:class:`fastload.stores._errors.boundary`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from fastload.stores._errors import Kind, classify, translate
 from fastload.stores._fsspec import FsspecStore
 from fastload.stores._obstore import ObstoreStore
 from fastload.stores.gcs import GcsStore
-from fastload.stores.s3 import S3Store
+from fastload.stores.s3 import FAST_PATH, S3Store, fast_path
 
 __all__ = [
     "SCHEMES",
@@ -122,7 +124,9 @@ _filesystems: PerProcess[tuple[str, str], AbstractFileSystem] = PerProcess("file
 
 def storage_options_of(storage_options: object) -> dict[str, Any]:
     """``storage_options`` as a dict of its own: a mapping of option names, or None for none;
-    anything else is a :class:`ConfigError` (``dict()`` of a list or a string fails obscurely)."""
+    anything else is a :class:`ConfigError` (``dict()`` of a list or a string fails obscurely).
+    They may hold fastload's own (:data:`~fastload.stores.s3.FAST_PATH`), which no client
+    is given."""
     if storage_options is None:
         return {}
     if not isinstance(storage_options, Mapping) or not all(
@@ -147,27 +151,29 @@ def filesystem(
     In a forked child the cache starts empty, so no connection pool crosses a fork.
     """
     parsed = url if isinstance(url, StoreURL) else parse_url(url)
-    options = storage_options_of(storage_options)
+    options = _client_options(storage_options_of(storage_options))
     key = (parsed.scheme, _options_key(options))
     return _filesystems.get(key, lambda: _create(parsed.scheme, options))
 
 
+def _client_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without fastload's own: what a client is given."""
+    return {name: value for name, value in options.items() if name != FAST_PATH}
+
+
 def open_store(
-    url: StoreURL,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    fast_path: bool = True,
-    threads: int = 32,
+    url: StoreURL, storage_options: Mapping[str, Any] | None = None, *, threads: int = 32
 ) -> Store:
-    """The store for ``url``'s scheme: obstore in front of s3fs for ``s3://`` (``fast_path``,
-    where obstore is installed and the options suit it), gcsfs's session for ``gs://``, B2's
-    downloads and pages for ``b2://``, else the filesystem itself (``threads`` wide when it
-    blocks)."""
-    if url.scheme == "s3" and fast_path:
-        options = storage_options_of(storage_options)
+    """The store for ``url``'s scheme: obstore in front of s3fs for ``s3://`` (where obstore is
+    installed, the options suit it, and their :data:`~fastload.stores.s3.FAST_PATH` does not
+    turn it off), gcsfs's session for ``gs://``, B2's downloads and pages for ``b2://``, else
+    the filesystem itself (``threads`` wide when it blocks)."""
+    given = storage_options_of(storage_options)
+    options = _client_options(given)
+    if url.scheme == "s3" and fast_path(given):
         general = partial(_s3fs_store, url, options, threads)
         return ObstoreStore(general, options, _options_key(options))
-    fs = filesystem(url, storage_options)
+    fs = filesystem(url, options)
     if url.scheme == "s3":
         return S3Store(fs, threads)
     if url.scheme in ("gs", "gcs"):

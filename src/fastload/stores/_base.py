@@ -11,9 +11,13 @@ local file's mtime), so :mod:`fastload.fetcher` can refuse bytes of an object re
 was indexed (:class:`fastload.errors.ObjectChangedError`); a store that names no version
 (``memory://``) serves ``()``, and nothing is checked.
 
+Every method of a store raises fastload's errors only (:mod:`fastload.errors`), naming the
+object: each maps its own client's exceptions at its edge
+(:class:`fastload.stores._errors.boundary`).
 A read times out when ``timeout`` seconds pass without a byte (before the first, then between
 chunks), never on its total duration: a large object on a slow link arrives, a stalled one
-fails fast (:class:`Patience`). Bodies that would arrive within ``timeout`` even at
+fails fast (:class:`Patience`), as a :class:`~fastload.errors.TransientStoreError` raised from
+the ``TimeoutError``. Bodies that would arrive within ``timeout`` even at
 ``FLOOR_RATE`` are read in one piece (streaming cost 150 KB objects 17% more CPU); larger ones,
 or of unknown size, are streamed with a watcher.
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union
 
 from fastload.errors import ConfigError
+from fastload.stores._errors import boundary
 
 if TYPE_CHECKING:
     from fastload.stores import StoreURL
@@ -167,12 +172,16 @@ class PageLister(Protocol):
         ``start_after`` when ``token`` is None, else the page ``token`` continues; and the
         token of the next page (None at the end)."""
 
+    def url(self, prefix: str) -> str:
+        """The URL of ``prefix`` in this bucket (what a failed listing names)."""
+
 
 class BucketPages:
     """What a :class:`PageLister` over one bucket of a filesystem shares: the bucket, and by
     default ``PAGE`` keys a page, concurrent key ranges and split points checked as for a
-    file-tree order (S3 emulations list so)."""
+    file-tree order (S3 emulations list so). ``scheme`` names the bucket's URLs."""
 
+    scheme: str
     tree_ordered = True
     page_size: int | None = None
     split = True
@@ -180,15 +189,33 @@ class BucketPages:
     def __init__(self, fs: Any, bucket: str) -> None:
         self.fs, self.bucket = fs, bucket
 
+    def url(self, prefix: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{prefix}"
+
+    async def page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        with boundary(self.url(prefix)):
+            return await self._page(prefix, start_after, token, limit)
+
+    async def _page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        """The page itself, in the client's own terms (:meth:`page` is its edge)."""
+        raise NotImplementedError
+
 
 class Store(Protocol):
-    """One backend, as fetch and Manifest see it: read a range, list pages, find, stat."""
+    """One backend, as fetch and Manifest see it: read a range, list pages, find, stat. Each
+    method raises :class:`fastload.errors.FastloadError` subclasses only, naming the object
+    (its page listings too)."""
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
-        """``url``'s bytes ``span`` (of ``version`` where the store can ask for one);
-        ``TimeoutError`` after ``patience.timeout`` s without progress."""
+        """``url``'s bytes ``span`` (of ``version`` where the store can ask for one); a
+        :class:`~fastload.errors.TransientStoreError` from ``TimeoutError`` after
+        ``patience.timeout`` s without progress."""
 
     def lister(self, bucket: str) -> PageLister | None:
         """``bucket``'s pages, or None where only :meth:`find` lists it."""

@@ -1,9 +1,11 @@
-"""The one boundary where client-library errors become fastload's own exceptions.
+"""How client-library errors become fastload's own, at each store's edge.
 
-botocore/s3fs, gcsfs, b2sdk, aiohttp and the builtins each say "not found", "denied" and "try
-again" differently. :func:`translate` looks through the exception (and the chain it was raised
-from) for the first thing it can classify and returns the matching :class:`StoreError`, with
-the URL (never a credential) in the message.
+botocore/s3fs, obstore, gcsfs, b2sdk, aiohttp and the builtins each say "not found", "denied"
+and "try again" differently. :func:`translate` looks through the exception (and the chain it
+was raised from) for the first thing it can classify and returns the matching
+:class:`StoreError`, with the URL (never a credential) in the message. Each store wraps the
+work of its methods (read, list a page, find, stat) in :class:`boundary`, so that nothing
+above the store (fetch, Manifest) ever sees a client's exception.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import asyncio
 import enum
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from fastload.errors import (
     AccessDeniedError,
+    FastloadError,
     ObjectNotFoundError,
     StoreError,
     TransientStoreError,
 )
 
-__all__ = ["Kind", "classify", "redact", "secret_values", "translate"]
+__all__ = ["Kind", "boundary", "classify", "redact", "secret_values", "translate"]
 
 
 class Kind(enum.Enum):
@@ -188,6 +192,51 @@ def translate(exc: BaseException, url: str) -> StoreError:
     detail = type(exc).__name__
     error: StoreError = kind.value(f"{_MESSAGES[kind]} ({detail})", url=url)
     return error
+
+
+class boundary:  # (lower case: used as a statement, ``with boundary(url):``)
+    """A store method's edge: an exception leaving the block is a fastload error naming
+    ``url`` (its ``str()`` is taken only then), raised ``from`` the client's own.
+
+    A fastload error passes as it is, except that a :class:`StoreError` naming no object
+    (none, or only a scheme, as B2's sign-in does) is named ``url``. With ``silence`` (a
+    read's ``Patience.timeout``), a ``TimeoutError`` is a :class:`TransientStoreError` saying
+    that nothing came for that long (fetch counts such stalls by that cause); anything else is
+    :func:`translate`-d.
+    """
+
+    __slots__ = ("silence", "url")
+
+    def __init__(self, url: object, silence: float | None = None) -> None:
+        self.url, self.silence = url, silence
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Literal[False]:
+        if not isinstance(exc, Exception):  # none, or a cancellation, an interrupt: as they are
+            return False
+        error = self._fastload(exc)
+        if error is exc:
+            return False
+        raise error from exc
+
+    def _fastload(self, exc: Exception) -> Exception:
+        if isinstance(exc, StoreError) and (exc.url is None or exc.url.endswith("://")):
+            message = str(exc).removesuffix(f": {exc.url}") if exc.url else str(exc)
+            return type(exc)(message, url=str(self.url))
+        if isinstance(exc, FastloadError):
+            return exc
+        if self.silence is not None and isinstance(exc, TimeoutError):
+            return TransientStoreError(
+                f"nothing received for {self.silence:g} s", url=str(self.url)
+            )
+        return translate(exc, str(self.url))
 
 
 _SENSITIVE = re.compile(r"token|secret|key|password|passwd|credential|signature|sig|auth", re.I)

@@ -5,7 +5,9 @@ Async filesystems are read on their event loop; blocking ones on a thread pool s
 Fetcher of the process (so their clients' per-thread connections live as long as the process,
 not as short-lived threads), into a buffer whose growth is watched. Local files are read
 directly, with their mtime as the version served. Listing is the filesystem's own ``find``,
-a stat its ``info``, each naming the version as a listing does.
+a stat its ``info``, each naming the version as a listing does. What the filesystem raises
+leaves as fastload's errors (:class:`~fastload.stores._errors.boundary`); the stores built on
+this one (S3, GCS, B2) keep that edge for their own reads and pages.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastload.stores._base import (
     fsspec_offsets,
     watch,
 )
+from fastload.stores._errors import boundary
 
 if TYPE_CHECKING:
     from fastload.stores import StoreURL
@@ -55,7 +58,8 @@ class FsspecStore:
 
     def find(self, root: StoreURL) -> list[Listed]:
         base = self.path(root).rstrip("/")
-        found = self.fs.find(base, detail=True)
+        with boundary(root):
+            found = self.fs.find(base, detail=True)
         return sorted(
             (
                 Listed(name[len(base) + 1 :], int(info.get("size") or 0), version(info))
@@ -67,13 +71,21 @@ class FsspecStore:
 
     def stat(self, url: StoreURL) -> Listed:
         path = self.path(url)
-        self.fs.invalidate_cache(path)  # a listing cached by the client would tell the old one
-        info = self.fs.info(path)
+        with boundary(url):
+            self.fs.invalidate_cache(path)  # a listing cached by the client would tell the old one
+            info = self.fs.info(path)
         return Listed(url.key, int(info.get("size") or 0), version(info))
 
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
+        with boundary(url, patience.timeout):
+            return await self._read(url, span, version, patience)
+
+    async def _read(
+        self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
+    ) -> Body:
+        """The read itself, in the client's own terms (:meth:`read` is its edge)."""
         path = self.path(url)
         if self.fs.async_impl:
             start, end = fsspec_offsets(span)

@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from fastload.config import FetchConfig
-from fastload.errors import StoreError
+from fastload.errors import StoreError, TransientStoreError
 from fastload.stores._base import PAGE, Listed, PageLister, Stream
 from fastload.stores._retry import retrying
 
@@ -100,6 +100,26 @@ class _Progress:
         self.last, self.last_streamed = shape, streamed
 
 
+async def _page_in_time(
+    lister: PageLister,
+    scope: str,
+    start_after: str | None,
+    token: Any,
+    limit: int,
+    *,
+    timeout: float,
+) -> tuple[list[Listed], Any]:
+    """``lister``'s page, or a :class:`TransientStoreError` naming the prefix when none came
+    within ``timeout`` seconds (a stream cut off mid-page is not read again)."""
+    try:
+        return await asyncio.wait_for(lister.page(scope, start_after, token, limit), timeout)
+    except TimeoutError as exc:
+        if isinstance(token, Stream):
+            token.broken = True
+        silence = f"no page within {timeout:g} s"
+        raise TransientStoreError(silence, url=lister.url(scope)) from exc
+
+
 async def list_parallel(
     lister: PageLister,
     prefix: str,
@@ -115,7 +135,7 @@ async def list_parallel(
     again as fetches are (``retries``, then, once the store has answered a page, for as long as
     ``outage_budget`` lasts). A store that gives a continuation token it gave before, or the
     same page twice in a row, would be listed forever: that is a :class:`StoreError` naming the
-    prefix and the pages read.
+    prefix and the pages read. Like the lister's own, every error is fastload's.
     """
     gate = asyncio.Semaphore(concurrency)
     found: dict[str, Listed] = {}
@@ -129,14 +149,7 @@ async def list_parallel(
 
     async def timed(scope: str, start_after: str | None, token: Any, limit: int) -> Any:
         nonlocal answered
-        try:
-            page = await asyncio.wait_for(
-                lister.page(scope, start_after, token, limit), config.timeout
-            )
-        except TimeoutError:
-            if isinstance(token, Stream):
-                token.broken = True  # a stream cut off mid-page is not read again
-            raise
+        page = await _page_in_time(lister, scope, start_after, token, limit, timeout=config.timeout)
         answered = True
         return page
 

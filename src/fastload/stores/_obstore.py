@@ -37,7 +37,7 @@ from fastload.stores._base import (
     Stream,
     progressing,
 )
-from fastload.stores._errors import Kind, classify
+from fastload.stores._errors import Kind, boundary, classify
 from fastload.stores._listing import guards
 from fastload.stores.s3 import S3Store
 
@@ -173,9 +173,14 @@ class ObstoreStore:
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
-        store = self._store(url.bucket)
-        if store is None or not isinstance(span, Span) or not readable(url.key):
-            return await self.general.read(url, span, version, patience)
+        with boundary(url, patience.timeout):
+            store = self._store(url.bucket)
+            if store is None or not isinstance(span, Span) or not readable(url.key):
+                return await self.general.read(url, span, version, patience)
+            return await self._get(store, url, span, patience)
+
+    async def _get(self, store: Any, url: StoreURL, span: Span, patience: Patience) -> Body:
+        """One GET through obstore, in its own terms (:meth:`read` is its edge)."""
         if span.empty:
             return Body(b"")
         options: dict[str, Any] = {}
@@ -196,14 +201,17 @@ class ObstoreStore:
         return Body(data, (str(etag).strip('"'),) if etag else ())
 
     def find(self, root: StoreURL) -> list[Listed]:
-        return self.general.find(root)
+        with boundary(root):  # (s3fs is made here on first use)
+            return self.general.find(root)
 
     def stat(self, url: StoreURL) -> Listed:
-        return self.general.stat(url)
+        with boundary(url):
+            return self.general.stat(url)
 
     def lister(self, bucket: str) -> PageLister | None:
-        general = self.general.lister(bucket)
-        store = self._store(bucket)
+        with boundary(f"s3://{bucket}"):
+            general = self.general.lister(bucket)
+            store = self._store(bucket)
         return general if store is None or general is None else _ObstorePages(store, general)
 
 
@@ -229,7 +237,16 @@ class _ObstorePages:
     def __init__(self, store: Any, general: PageLister) -> None:
         self.store, self.general = store, general
 
+    def url(self, prefix: str) -> str:
+        return self.general.url(prefix)
+
     async def page(
+        self, prefix: str, start_after: str | None, token: Any, limit: int
+    ) -> tuple[list[Listed], Any]:
+        with boundary(self.url(prefix)):
+            return await self._page(prefix, start_after, token, limit)
+
+    async def _page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
         if not isinstance(token, Stream | None):  # this range went through botocore

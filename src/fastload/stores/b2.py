@@ -541,7 +541,7 @@ class B2Store(FsspecStore):
 
     fs: B2FileSystem
 
-    async def read(
+    async def _read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
         return await self.fs.read_async(self.path(url), span, patience)
@@ -555,16 +555,17 @@ class B2Pages(BucketPages):
     pages, as b2sdk's ``ls`` does (3 calls for 24,750 names), not concurrent 1,000-key ranges."""
 
     fs: B2FileSystem
+    scheme = "b2"
     tree_ordered = False  # B2 lists file names in UTF-8 byte order
     page_size: int | None = 10_000
     split = False
 
-    async def page(
+    async def _page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
-        return await asyncio.to_thread(self._page, prefix, start_after, token, limit)
+        return await asyncio.to_thread(self._names, prefix, start_after, token, limit)
 
-    def _page(
+    def _names(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
         bucket = self.fs._bucket(self.bucket)

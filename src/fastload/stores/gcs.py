@@ -30,7 +30,7 @@ __all__ = ["GcsPages", "GcsStore"]
 
 
 class GcsStore(FsspecStore):
-    async def read(
+    async def _read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
         if span.empty:
@@ -72,7 +72,9 @@ class GcsStore(FsspecStore):
 
 
 class GcsPages(BucketPages):  # file-tree order: real GCS lists in byte order, emulators may not
-    async def page(
+    scheme = "gs"
+
+    async def _page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
         where: dict[str, str] = {}

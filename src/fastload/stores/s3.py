@@ -1,13 +1,17 @@
 """``s3://`` through s3fs: reads as one GetObject on its client (the response's ETag names the
 version served) and listing pages of ListObjectsV2. obstore, when it can, goes in front of this
-(:mod:`fastload.stores._obstore`)."""
+(:mod:`fastload.stores._obstore`), unless the store's options say otherwise
+(:data:`FAST_PATH`)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from fastload.config import s3_fast_path
+from fastload.errors import ConfigError
 from fastload.stores._base import (
     Body,
     BucketPages,
@@ -25,18 +29,38 @@ from fastload.stores._fsspec import FsspecStore
 if TYPE_CHECKING:
     from fastload.stores import StoreURL
 
-__all__ = ["S3Pages", "S3Store"]
+__all__ = ["FAST_PATH", "S3Pages", "S3Store", "fast_path"]
+
+#: The S3 store's own ``storage_options`` key: False reads and lists through s3fs alone (no
+#: obstore in front). fastload takes it out before the options reach a client. Its prefix
+#: keeps it apart from every s3fs/fsspec keyword: s3fs passes unknown keywords on to fsspec,
+#: which keeps them without a word, so a plain ``fast_path`` would reach the client unnoticed
+#: if it were ever left in, and could one day mean something there.
+FAST_PATH = "fastload_fast_path"
+
+
+def fast_path(options: Mapping[str, Any]) -> bool:
+    """Whether ``options`` (a store's ``storage_options``) let obstore serve: their
+    :data:`FAST_PATH`, else :func:`fastload.config.s3_fast_path` (``FASTLOAD_FETCH_FAST_PATH``)."""
+    value = options.get(FAST_PATH)
+    if value is None:
+        return s3_fast_path()
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"storage_options[{FAST_PATH!r}] must be True or False, got {type(value).__name__}"
+        )
+    return value
 
 
 class S3Store(FsspecStore):
     """s3fs's client, called directly (not its ``cat_file``): one request, streamed when large,
     with the ETag it was served under; suffixes take fsspec's path (it knows the size)."""
 
-    async def read(
+    async def _read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
         if isinstance(span, Suffix):
-            return await super().read(url, span, version, patience)
+            return await super()._read(url, span, version, patience)
         bucket, key, version_id = self.fs.split_path(self.path(url))
         extra = http_range(span)
         if version_id:
@@ -64,7 +88,9 @@ class S3Store(FsspecStore):
 
 
 class S3Pages(BucketPages):
-    async def page(
+    scheme = "s3"
+
+    async def _page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
     ) -> tuple[list[Listed], Any]:
         where: dict[str, str] = {}
