@@ -27,8 +27,9 @@ from torch.utils.data import default_collate
 
 from fastload import Cache, CacheError, ConfigError, UnsupportedSampleError
 from fastload._collate import collate
-from fastload.cache import _packed, formats, store
+from fastload.cache import _packed, _segments, formats
 from fastload.cache._locks import RangeLock, range_held
+from tests.cache_helpers import entry_path, segments_of
 from tests.conftest import small_tmpfs
 
 FORMATS = ["pt", "npy", "zarr"]
@@ -76,22 +77,20 @@ def assert_same(a: Any, b: Any, byte_order: bool = True) -> None:
 
 def entry_files(cache: Cache) -> list[Path]:
     """What holds the cache's entries: a file or folder per entry, and segments of them."""
-    segments = (cache.root / "segments").glob(f"*{cache._layout.suffix}")
+    segments = (cache.root / "segments").glob(f"*{formats.FORMATS[cache.format]().suffix}")
     return [*(cache.root / "entries").glob("*/*/*"), *segments]
 
 
 def packed(cache: Cache, name: str) -> tuple[Path, int, int]:
     """The segment, offset and length of a pt or npy entry."""
-    assert cache._packed is not None
-    where = cache._packed.find(cache._digest(name))
+    where = segments_of(cache).find(cache._digest(name))
     assert where is not None, name
-    return Path(cache._packed._segment_path(where.segment)), where.offset, where.length
+    return Path(segments_of(cache)._segment_path(where.segment)), where.offset, where.length
 
 
 def append(cache: Cache, name: str, entry: formats.Encoded) -> None:
     """Append an entry under ``name``'s digest, as a put would (whatever it holds)."""
-    assert cache._packed is not None
-    cache._packed.append([(cache._digest(name), entry)], _packed.SEGMENT_BYTES)
+    segments_of(cache).append([(cache._digest(name), entry)], _packed.SEGMENT_BYTES)
 
 
 def check_of(cache: Cache, name: str) -> bytes:
@@ -102,15 +101,14 @@ def check_of(cache: Cache, name: str) -> bytes:
 def append_raw(cache: Cache, name: str, data: bytes) -> None:
     """A segment of its own holding ``data`` as ``name``'s entry, as an earlier version wrote
     them."""
-    assert cache._packed is not None
     segment = 0x5E61
-    path = Path(cache._packed._segment_path(segment))
+    path = Path(segments_of(cache)._segment_path(segment))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("ab") as f:
         offset = f.tell()
         f.write(data)
-    with cache._packed._guard():
-        cache._packed._record(cache._digest(name), _packed.Where(segment, offset, len(data)))
+    with segments_of(cache)._guard():
+        segments_of(cache)._record(cache._digest(name), _packed.Where(segment, offset, len(data)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -253,7 +251,6 @@ def test_a_planted_pickle_in_a_pt_entry_never_runs(tmp_path: Path) -> None:
     torch.save([Evil()], blob)
     writer = formats.PtFormat()  # a valid container, checksum and all, around a hostile pickle
     writer._encode = lambda leaves: ([blob.tell()], [blob.getbuffer()])  # type: ignore[method-assign]
-    assert cache._packed is not None
     append(cache, "x", writer.encode(torch.ones(2), check_of(cache, "x")))
     assert cache.get("x") is None  # refused by weights_only, then deleted as corrupt
     assert not marker.exists()
@@ -638,14 +635,13 @@ def test_a_process_reads_back_only_the_index_records_others_wrote(
         _packed, "_read_all", lambda fd, start: reads.append(start) or read_all(fd, start)
     )
     mine, other = Cache(tmp_path, format="npy"), Cache(tmp_path, format="npy")
-    assert mine._packed is not None
     shards = set()
     for batch in range(10):
         names = [f"s3://b/train/{batch:02d}/{i:03d}.npy" for i in range(64)]
         assert mine.contains_many(names) == [False] * 64
         for name in names:
             mine.put(name, np.full(3, batch, np.uint16))
-            shards.add(mine._digest(name)[: mine._packed.width])
+            shards.add(mine._digest(name)[: segments_of(mine).width])
     assert len(reads) <= len(shards), "its own index records were read back"
     theirs = [f"s3://b/val/{i:03d}.npy" for i in range(64)]
     for name in theirs:  # another writer appends between this process's appends
@@ -732,8 +728,8 @@ def test_duplicate_names_in_one_call_are_computed_once(tmp_path: Path) -> None:
 def damage_entry(cache: Cache, name: str, how: str, rng: np.random.Generator) -> None:
     """Truncate or flip a bit of ``name``'s entry; a packed one is cut short by zeroing its
     tail (a torn write that never reached the disk)."""
-    if cache._packed is None:
-        damage(Path(cache._path(cache._digest(name))), how, rng)
+    if cache.format == "zarr":
+        damage(entry_path(cache, name), how, rng)
         return
     path, offset, length = packed(cache, name)
     with path.open("r+b") as f:
@@ -796,7 +792,7 @@ def test_a_segment_cut_short_under_a_reader_is_recomputed_not_a_crash(
         return [np.random.default_rng(p).random((32, 32)) for p in positions]
 
     cache.get_many(names, make)
-    cache._packed.seal()  # type: ignore[union-attr]
+    segments_of(cache).seal()
     assert len(cache.get_many(names, make)) == 40  # read back: the segment is mapped now
     path, offset, _ = packed(cache, names[20])
     lost = sum(packed(cache, name)[1] + packed(cache, name)[2] > offset + 10 for name in names)
@@ -844,8 +840,7 @@ def test_an_entry_read_for_another_name_is_never_returned(tmp_path: Path) -> Non
     """The index pointing at a valid entry of another sample (a misfiled record, a reused
     descriptor) must not hand that sample out: the entry's digest bytes are checked."""
     cache = Cache(tmp_path, format="npy")
-    assert cache._packed is not None
-    append(cache, "b", cache._packed.layout.encode(np.arange(3), check_of(cache, "a")))
+    append(cache, "b", segments_of(cache).layout.encode(np.arange(3), check_of(cache, "a")))
     assert cache.get("b") is None and cache.counters.repairs == 1
 
 
@@ -1006,7 +1001,7 @@ def test_threads_write_at_once_and_no_record_comes_before_earlier_bytes(
 def test_many_threads_fill_segments_and_every_entry_reads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store, "SEGMENT_BYTES", 64 << 10)  # many segments, writers retired
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES", 64 << 10)  # many segments, writers retired
     cache = Cache(tmp_path, format="npy")
 
     def sample(i: int) -> dict[str, Any]:
@@ -1056,8 +1051,7 @@ def test_a_forked_child_and_its_parent_write_to_segments_of_their_own(tmp_path: 
     the child must not wait for a release that cannot come."""
     cache = Cache(tmp_path, format="npy")
     cache.put("parent-before", np.arange(5))
-    assert cache._packed is not None
-    with cache._packed._guard():
+    with segments_of(cache)._guard():
         child = multiprocessing.get_context("fork").Process(
             target=cache.put, args=("child", np.arange(7))
         )
@@ -1088,11 +1082,11 @@ def test_a_batch_read_across_an_evicted_segment_recomputes_only_its_entries(
     for i, name in enumerate(names):
         writer.put(name, np.full(64, i))
         if i == 14:
-            writer._packed.seal()  # type: ignore[union-attr]  # two segments of 15
+            segments_of(writer).seal()  # two segments of 15
     assert all(v is not None for v in reader.get_many(names, lambda pos: 1 / 0))  # all hits
     first = packed(writer, names[0])[0]
-    writer._packed.seal()  # type: ignore[union-attr]
-    assert writer._packed.remove_segment(str(first)) != (0, 0)  # type: ignore[union-attr]
+    segments_of(writer).seal()
+    assert segments_of(writer).remove_segment(str(first)) != (0, 0)
     computed: list[int] = []
 
     def make(positions: list[int]) -> list[np.ndarray]:
@@ -1131,11 +1125,13 @@ def _earlier_entry(version: int, name: str, array: np.ndarray) -> bytes:
 
 def test_entries_of_earlier_layouts_are_still_read(tmp_path: Path) -> None:
     """Entries of earlier versions are still read: FLCACHE1 and FLCACHE2 files of their own,
-    and FLCACHE2 entries in segments; an FLCACHE2 entry filed under another name is refused."""
+    and FLCACHE2 entries in segments; an FLCACHE2 entry filed under another name is refused.
+    The files are looked up, counted, read from a read-only cache, replaced by a write,
+    verified (a damaged one named by the name in its header) and evicted like the rest."""
     cache = Cache(tmp_path, format="npy")
     array = np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000
     for version, name in [(1, "s3://b/old \udcff"), (2, "second")]:
-        path = Path(cache._path(cache._digest(name)))
+        path = entry_path(cache, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(_earlier_entry(version, name, array))
     append_raw(cache, "in a segment", _earlier_entry(2, "in a segment", array))
@@ -1147,8 +1143,24 @@ def test_entries_of_earlier_layouts_are_still_read(tmp_path: Path) -> None:
         assert out["label"] == 7 and out["id"] == 12 and out["id"].dtype == np.int64
     assert cache.counters.repairs == 0
     assert cache.get("misfiled") is None and cache.counters.repairs == 1
-    path = cache._path(cache._digest("s3://b/old \udcff"))
+    path = entry_path(cache, "s3://b/old \udcff")
     assert formats.NpyFormat().name_of(path) == "s3://b/old \udcff"
+    assert cache.contains_many(["second", "in a segment", "misfiled"]) == [True, True, False]
+    assert len(cache) == 3
+    assert np.array_equal(Cache(tmp_path, format="npy", read_only=True).get("second")["x"], array)
+    cache.put("second", np.zeros(2))  # replaces the file
+    assert not entry_path(cache, "second").exists() and len(cache) == 3
+    assert np.array_equal(cache.get("second"), np.zeros(2))
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF  # in the array
+    path.write_bytes(bytes(data))
+    report = cache.verify()
+    assert report.corrupt == ["s3://b/old \udcff"] and report.checked == 3
+    assert not path.exists() and len(cache) == 2
+    planted = entry_path(cache, "third")
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(_earlier_entry(2, "third", array))
+    assert cache.prune(max_bytes=0) == 3 and len(cache) == 0  # the file and both segments' 2
 
 
 def test_samples_of_one_structure_share_one_structure_record(tmp_path: Path) -> None:

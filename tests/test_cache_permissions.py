@@ -36,6 +36,7 @@ import pytest
 import fastload
 from fastload import Cache, CacheError, CacheFullError, ConfigError, RemoteDataset
 from fastload._cli import main
+from tests.cache_helpers import entry_path, segments_of
 from tests.conftest import small_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,13 +196,12 @@ def later_calls(fmt: str, folder: str) -> dict[str, list[str]]:
         (segment,) = (root / "segments").iterdir()
         found["get, segments/ 000"] = cut(root / "segments", 0o000, get)
         found["get, segment 000"] = cut(segment, 0o000, get)
-        assert made._packed is not None
-        shard = root / "index" / f"{made._digest('c')[: made._packed.width]}.flnpy"
+        shard = root / "index" / f"{made._digest('c')[: segments_of(made).width]}.flnpy"
         found["put, index shard 400"] = cut(shard, 0o400, ops(fmt)["put"])
         found["shard"] = ["", str(shard)]
         found["segment"] = ["", str(segment)]
     else:
-        chunk = Path(made._path(made._digest("a"))) / "0" / "c" / "0"  # its one chunk
+        chunk = entry_path(made, "a") / "0" / "c" / "0"  # its one chunk
         found["open, chunk 000"] = cut(chunk, 0o000, ops(fmt)["open"])
         found["chunk"] = ["", str(chunk)]
     return found
@@ -580,17 +580,16 @@ def test_repairs_that_cannot_be_written_name_the_file(tmp_path: Path) -> None:
     cache = Cache(root)
     for i in range(8):
         cache.put(f"k{i}", np.full(50, i))
-    assert cache._packed is not None
     digest = cache._digest("k3")
-    where = cache._packed.find(digest)
+    where = segments_of(cache).find(digest)
     assert where is not None
-    segment = Path(cache._packed._segment_path(where.segment))
+    segment = Path(segments_of(cache)._segment_path(where.segment))
     with open(segment, "r+b") as f:  # flip a byte of k3's arrays
         f.seek(where.offset + where.length - 20)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    shard = root / "index" / f"{digest[: cache._packed.width]}.flnpy"
+    shard = root / "index" / f"{digest[: segments_of(cache).width]}.flnpy"
     found = run_job(
         "verify_under_a_file_size_limit", str(root), str(shard.stat().st_size), uid=None
     )

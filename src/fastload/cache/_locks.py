@@ -25,6 +25,7 @@ from fastload.cache._perms import PRIVATE, Modes, make_dirs, open_file, regular_
 __all__ = [
     "OFD_LOCKS",
     "EntryLock",
+    "EntryLocks",
     "FileLock",
     "RangeLock",
     "lock_whole",
@@ -154,3 +155,20 @@ def _open(path: str | Path, modes: Modes = PRIVATE) -> int:
 
 
 EntryLock = Union[FileLock, RangeLock]  # noqa: UP007 (a runtime alias on Python 3.10)
+
+
+class EntryLocks:
+    """The entry locks of the cache folder ``locks`` (a digest's, by calling this): a byte of
+    one of 16 shared files (256 in a cache made before 2026-11-28: index and lock files are
+    named by ``width`` hex digits of a digest), or, without OFD locks, a file of its own,
+    removed by its last exclusive holder. The files are made of ``modes``."""
+
+    def __init__(self, locks: str, width: int, modes: Modes) -> None:
+        self.locks, self.width, self.modes = locks, width, modes
+
+    def __call__(self, digest: str) -> EntryLock:
+        if OFD_LOCKS:
+            width = self.width
+            offset = int(digest[width : width + 8], 16)
+            return RangeLock(f"{self.locks}/{digest[:width]}.lock", offset, modes=self.modes)
+        return FileLock(Path(self.locks, digest[:2], f"{digest}.lock"), modes=self.modes)
