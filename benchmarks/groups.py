@@ -8,7 +8,7 @@ in this process, each over the same objects:
   (s3fs ``cat_file``) and decodes them with tifffile (a truncated one: the field is dropped),
   ``torch.utils.data.DataLoader`` with 4 workers (fork), batch 16. No cache: every epoch is
   the same, so one epoch is timed.
-- fastload groups: ``RemoteDataset(group_by=..., decode="tiff", on_error="skip",
+- fastload groups: ``RemoteDataset(Groups(url, by=...), decode="tiff", on_error="skip",
   cache=Cache(format="npy"))`` and ``fastload.DataLoader`` defaults (batch 16, shuffled): a cold
   epoch (cache filling), then a warm one.
 - fastload single objects: the same objects as single samples (``decode="tiff"``), batch 80
@@ -24,8 +24,8 @@ request and capping each response at 20 MB/s. Readers, batch 2, shuffled:
 - sequential: a ``Dataset`` whose ``__getitem__`` reads a volume's slices one after another
   with the b2 filesystem (b2sdk underneath) and stacks them with pydicom by slice position,
   ``torch.utils.data.DataLoader`` with 2 workers; every epoch is the same, so one is timed.
-- fastload: ``RemoteDataset(group_by=r"^(sub-\d+)/", decode="dicom-series",
-  incomplete="accept", cache=Cache(format="npy"))`` (series lengths differ by nature) and
+- fastload: ``RemoteDataset(Groups(url, by=r"^(sub-\d+)/", incomplete="accept"),
+  decode="dicom-series", cache=Cache(format="npy"))`` (series lengths differ by nature) and
   ``fastload.DataLoader`` defaults: a cold epoch, then a warm one.
 """
 
@@ -150,17 +150,22 @@ def _fastload(
     manifest: fastload.Manifest, options: dict[str, Any], work: Path
 ) -> list[dict[str, Any]]:
     rows = []
-    for name, group_by, batch, per in (
-        ("fastload groups", GROUP_BY, 16, 1),
-        ("fastload single objects (fields/s = objects/s / 5)", None, 16 * CHANNELS, CHANNELS),
+    for name, source, batch, per in (
+        ("fastload groups", fastload.Groups(manifest, GROUP_BY), 16, 1),
+        (
+            "fastload single objects (fields/s = objects/s / 5)",
+            fastload.Objects(manifest),
+            16 * CHANNELS,
+            CHANNELS,
+        ),
     ):
         cache = fastload.Cache(work / name.split()[1], format="npy")
         dataset = fastload.RemoteDataset(
-            manifest, group_by=group_by, decode="tiff", on_error="skip", cache=cache,
-            storage_options=options,
-        )  # fmt: skip
+            source, decode="tiff", on_error="skip", cache=cache, storage_options=options
+        )
         loader = fastload.DataLoader(dataset, batch_size=batch, shuffle=True, collate_fn=_drop_none)
-        for epoch in ("cold", "warm") if group_by else ("cold",):  # singles: cold compares
+        grouped = isinstance(source, fastload.Groups)
+        for epoch in ("cold", "warm") if grouped else ("cold",):  # singles: cold compares
             seconds, count = _epoch(loader)
             rows.append(
                 {
@@ -257,15 +262,16 @@ def dicom_rows(
                      "volumes/s": count / seconds, "volumes": count}
                 ]  # fmt: skip
                 dataset = fastload.RemoteDataset(
-                    root, group_by=r"^(sub-\d+)/", decode="dicom-series", incomplete="accept",
+                    fastload.Groups(root, r"^(sub-\d+)/", incomplete="accept"),
+                    decode="dicom-series",
                     cache=fastload.Cache(Path(tmp) / str(repeat), format="npy"),
                     storage_options=options,
-                )  # fmt: skip
+                )
                 loader = fastload.DataLoader(dataset, batch_size=2, shuffle=True, collate_fn=list)
                 for epoch in ("cold", "warm"):
                     seconds, count = _epoch(loader)
                     run.append(
-                        {"reader": "fastload group_by + dicom-series", "epoch": epoch,
+                        {"reader": "fastload Groups + dicom-series", "epoch": epoch,
                          "volumes/s": count / seconds, "volumes": count}
                     )  # fmt: skip
                 runs.append(run)

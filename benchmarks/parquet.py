@@ -9,7 +9,7 @@ adding 20 ms per request. Readers, one after another in this process, batch 256:
   takes the row; ``torch.utils.data.DataLoader`` with 2 workers. With ``shuffle=False`` it reads
   each file about once per worker; with ``shuffle=True`` nearly every sample reads a file, so
   only its first ``SLOW_BATCHES`` batches are timed (the rate is steady from the first).
-- fastload: ``RemoteDataset(shards="parquet")`` and ``fastload.DataLoader(shuffle=True)``
+- fastload: ``RemoteDataset(Parquet(url))`` and ``fastload.DataLoader(shuffle=True)``
   defaults (shard-aware shuffling), a whole epoch; the requests it made and the shards a batch
   touched are reported beside the rate.
 """
@@ -133,7 +133,7 @@ def _per_sample(
 
 
 def _shards(root: str, options: dict[str, Any]) -> dict[str, Any]:
-    dataset = fastload.RemoteDataset(root, shards="parquet", storage_options=options)
+    dataset = fastload.RemoteDataset(fastload.Parquet(root), storage_options=options)
     before = dataset.fetcher.counters.requests  # the footers
     loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, collate_fn=_rows)
     rate, count = _rate(loader)
@@ -141,7 +141,7 @@ def _shards(root: str, options: dict[str, Any]) -> dict[str, Any]:
     assert stats is not None and isinstance(loader.sampler, fastload.PermutationSampler)
     locality = block_locality(loader.sampler, BATCH, batches=len(dataset) // BATCH)
     return {
-        "reader": "fastload shards='parquet', DataLoader defaults, shuffle=True",
+        "reader": "fastload Parquet source, DataLoader defaults, shuffle=True",
         "samples/s": rate,
         "samples timed": count,
         "requests": stats.fetch.requests - before,

@@ -20,7 +20,7 @@ workers again, and each worker its store client); fastload runs at its defaults:
   ``worker_init_fn`` that drops the boto3 client a forked worker inherits (its known fork issue);
 - WebDataset over ``TAR_SHARDS`` tar shards on the store, with its shard cache (S3 only);
 - fastload ``RemoteDataset`` + npy cache + ``fastload.DataLoader`` defaults;
-- fastload ``RemoteDataset(shards="tar")`` over the same tar shards, read in place;
+- fastload ``RemoteDataset(Tar(url))`` over the same tar shards, read in place;
 - fastload as above at each worker count (S3 only): how its rates scale, not compared as a peer.
 
 Conversions (LitData chunks, MDS shards, tar shards) are done the fast way a user would: every
@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import fastload
 from benchmarks.cache import BATCH, BUCKET, LATENCY, SHAPE, npy_bytes, sample_array
-from fastload import Cache, Manifest, RemoteDataset
+from fastload import Cache, Manifest, RemoteDataset, Tar
 from fastload.stores import filesystem
 from fastload.testing import (
     B2Server,
@@ -273,8 +273,7 @@ def _take_npy(sample: dict[str, np.ndarray]) -> np.ndarray:
 
 def _fastload_tar(spec: Spec) -> Iterable[Any]:
     dataset = RemoteDataset(
-        f"{spec.root}-tar",
-        shards="tar",
+        Tar(f"{spec.root}-tar"),
         decode={"npy": "npy"},
         transform=_take_npy,
         cache=Cache(f"{spec.workdir}/fastload", format=spec.cache_format),  # type: ignore[arg-type]
@@ -308,7 +307,7 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
         partial(_fastload, chosen_workers=True),
     ),
     "fastload-tar": (
-        f"fastload RemoteDataset(shards='tar') over the {TAR_SHARDS} tar shards, same defaults",
+        f"fastload RemoteDataset(Tar(url)) over the {TAR_SHARDS} tar shards, same defaults",
         _fastload_tar,
     ),
 }

@@ -20,7 +20,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fastload import ConfigError, Manifest, ObjectNotFoundError, RemoteDataset, ShardError, ranks
+from fastload import (
+    ConfigError,
+    Manifest,
+    ObjectNotFoundError,
+    RemoteDataset,
+    ShardError,
+    Tar,
+    ranks,
+)
 
 _list = Manifest._list.__func__  # type: ignore[attr-defined]
 
@@ -60,7 +68,7 @@ def exchange(data: str, tars: str, out: Path) -> dict[str, Any]:
             ShardError("truncated tar", url=f"file:///shard-{rank}.tar"),
         ]
     )
-    shards = RemoteDataset(f"file://{tars}", shards="tar")
+    shards = RemoteDataset(Tar(f"file://{tars}"))
     return {
         "keys": manifest.keys(),
         "fingerprint": manifest.fingerprint,

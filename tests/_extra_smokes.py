@@ -75,10 +75,14 @@ def cli(args: dict[str, Any]) -> Any:
 
 
 def read_decoded(args: dict[str, Any]) -> Any:
-    """image, tiff, dicom, parquet: every sample of a RemoteDataset over file://."""
+    """image, tiff, dicom, parquet: every sample of a RemoteDataset over file:// (its source
+    named as the registry names it: objects unless said)."""
     from fastload import RemoteDataset
+    from fastload.sources.registry import source_named
 
-    dataset = RemoteDataset(args["root"], **args["dataset"])
+    arguments = dict(args["dataset"])
+    source = source_named(arguments.pop("source", "objects"), args["root"])
+    dataset = RemoteDataset(source, **arguments)
     return [plain(dataset[i]) for i in range(len(dataset))]
 
 

@@ -13,6 +13,7 @@ import io
 import tarfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -175,6 +176,18 @@ def events() -> Objects:
     return objects
 
 
+def oct_volumes() -> Objects:
+    """A Zarr v3 group holding ``scans``: 6 B-scans of 64 x 88, uint16, in chunks of 2 x 64 x 44
+    (88 is no multiple of the examples' 32: the last 24 columns are in no patch)."""
+    import zarr
+
+    stored: dict[str, Any] = {}
+    group = zarr.open_group(zarr.storage.MemoryStore(stored), mode="w")
+    scans = group.create_array("scans", shape=(6, 64, 88), chunks=(2, 64, 44), dtype="uint16")
+    scans[:] = _rng(52).integers(0, 4096, (6, 64, 88), dtype=np.uint16)
+    return {key: buffer.to_bytes() for key, buffer in stored.items()}
+
+
 IMAGENET_CLASSES = ("n01440764", "n01443537", "n01484850")
 
 DATA: dict[str, Data] = {
@@ -186,6 +199,8 @@ DATA: dict[str, Data] = {
     "s3://bucket/imagenet-wds/train/shard-{000000..000146}.tar": Data(
         tar_shards([f"shard-{i:06d}.tar" for i in range(147)], 2)
     ),
+    # a training and a validation split of shards side by side: pattern= picks one
+    "s3://bucket/wds": Data(tar_shards(["train-0.tar", "train-1.tar", "val-0.tar"], 2)),
     "gs://bucket/shard-{000..099}.tar": Data(
         tar_shards([f"shard-{i:03d}.tar" for i in range(100)], 1)
     ),
@@ -195,6 +210,7 @@ DATA: dict[str, Data] = {
     "b2://oct-study/scans": Data(dicom_series, {"participants.csv": DIAGNOSES}),
     "s3://bucket/events": Data(events),
     "s3://icecube/train": Data(events),
+    "s3://lab/oct.zarr": Data(oct_volumes),
 }
 """Every URL the examples read, exactly as they write it (a trailing ``/`` aside)."""
 

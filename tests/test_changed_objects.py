@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload import Cache, ObjectChangedError, RemoteDataset
+from fastload import Cache, ObjectChangedError, Parquet, RemoteDataset, Tar
 from fastload.manifest import Manifest
 from tests.conftest import write
 
@@ -125,11 +125,14 @@ def test_a_tar_shard_replaced_after_indexing_is_refused(seaweed: Any, tmp_path: 
     write(root, options, {"shard-0.tar": shard(1)})
     manifest = Manifest.build(root, storage_options=options)
     cache = Cache(tmp_path / "cache")
-    ds = RemoteDataset(manifest, shards="tar", storage_options=options, cache=cache)
+    ds = RemoteDataset(Tar(manifest), storage_options=options, cache=cache)
     assert ds[0] == {"bin": b"\x01" * 500}
     write(root, options, {"shard-0.tar": shard(2)})  # same size, same layout, new bytes
-    again = RemoteDataset(manifest, shards="tar", storage_options=options, cache=cache)
+    again = RemoteDataset(Tar(manifest), storage_options=options, cache=cache)
     with pytest.raises(ObjectChangedError, match=r"shard-0\.tar"):
         again[1]
-    with pytest.raises(fastload.ConfigError, match="refresh"):
-        RemoteDataset(manifest, shards="tar", storage_options=options, on_change="refresh")
+    for source, name in ((Tar(manifest), "tar"), (Parquet(manifest), "parquet")):
+        with pytest.raises(
+            fastload.ConfigError, match=f"on_change='refresh' cannot apply to {name} samples"
+        ):
+            RemoteDataset(source, storage_options=options, on_change="refresh")

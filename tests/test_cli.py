@@ -23,6 +23,7 @@ from fastload import Cache
 from fastload._cli import main
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
+from tests.cache_helpers import segments_of
 from tests.conftest import BUCKET
 from tests.test_dataset import upload
 
@@ -195,8 +196,7 @@ def test_verify_repairs_planted_corruption(
         == 0
     )
     cache = Cache(tmp_path, format="npy")
-    assert cache._packed is not None
-    planted = sorted(cache._packed.live(), key=lambda e: e[2])[:3]
+    planted = sorted(segments_of(cache).live(), key=lambda e: e[2])[:3]
     for _, where, label in planted:
         segment = label.rsplit("@", 1)[0]
         with open(segment, "r+b") as f:  # in the array, just before the footer

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fastload as package
-from fastload import Cache, ConfigError, FetchConfig, RemoteDataset, TransientStoreError
+from fastload import Cache, ConfigError, FetchConfig, Groups, RemoteDataset, TransientStoreError
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
@@ -241,8 +241,7 @@ def test_warm_cache_takes_every_decoder_training_takes(
     assert warmed.returncode == 0, warmed.stderr
     assert json.loads(warmed.stdout)["samples"] == SUBJECTS
     dataset = RemoteDataset(
-        root,
-        group_by=DICOM_GROUP,
+        Groups(root, DICOM_GROUP),
         decode=api,
         cache=Cache(cache_dir, format="npy"),
         storage_options=options,

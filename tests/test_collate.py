@@ -188,7 +188,7 @@ def test_ragged_parquet_events_need_a_collate_fn_and_the_docs_one_works(
     options = seaweed.storage_options()
     write(root, options, {"events/a.parquet": pulses_parquet(12)})
     events = fastload.RemoteDataset(
-        f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
+        fastload.Parquet(f"{root}/events", row_key="event_id"), storage_options=options
     )
     plain = fastload.DataLoader(events, batch_size=4, shuffle=False, num_workers=workers)
     shapes = "sample['event_id'] has shapes [2], [3], [4], [2]"  # its first column

@@ -23,12 +23,17 @@ from fastload import (
     CachedDataset,
     ConfigError,
     DecodeError,
+    Labels,
     Manifest,
     ObjectNotFoundError,
+    Objects,
+    Parquet,
     RemoteDataset,
+    Tar,
     UnsupportedSampleError,
     versioned,
 )
+from fastload.sources.registry import source_named
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, S3Server
 from tests.conftest import BUCKET, assert_identities, write
@@ -260,11 +265,34 @@ def test_labels_limit_and_bad_arguments(s3_root: tuple[str, dict[str, Any]]) -> 
     # named before the listing, which on a large bucket takes minutes (it came after it)
     never = "memory://never-listed/prefix"  # listing it would raise ObjectNotFoundError
     with pytest.raises(ConfigError, match="unknown decoder 'jpeg2000'"):
-        RemoteDataset(never, decode={"jpg": "jpeg2000"})
-    with pytest.raises(ConfigError, match="shards must be 'tar' or 'parquet', got 'zip'"):
-        RemoteDataset(never, shards="zip")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="source must be a URL or a Manifest"):
+        RemoteDataset(Tar(never), decode={"jpg": "jpeg2000"})
+    with pytest.raises(ConfigError, match=r"no sample source named 'zip': one of \[") as unknown:
+        source_named("zip", never)
+    names = ("groups", "objects", "parquet", "tar")  # the registry's, and any added since
+    assert all(f"'{name}'" in str(unknown.value) for name in names)
+    with pytest.raises(ConfigError, match="source must be a URL, a Manifest or a source object"):
         RemoteDataset(42, decode="npy")  # type: ignore[arg-type]
+
+
+def test_what_a_source_cannot_take_is_refused_before_any_listing() -> None:
+    """Labels for samples that carry their own (a tar sample's ``cls`` member, a parquet
+    column), ``on_change="refresh"`` for samples that move when their shard changes, and
+    decoders by member for whole objects are refused naming the source, before the listing
+    (minutes on a large bucket), never ignored."""
+    never = "memory://never-listed/prefix"  # listing it would raise ObjectNotFoundError
+    for source in (Tar(never), Parquet(never)):
+        with pytest.raises(ConfigError, match=rf"^{source.name} samples take no labels="):
+            RemoteDataset(source, labels="folders")
+        with pytest.raises(
+            ConfigError, match=rf"on_change='refresh' cannot apply to {source.name} samples"
+        ):
+            RemoteDataset(source, on_change="refresh")
+    with pytest.raises(ConfigError, match="decodes the members of a sample: Objects samples"):
+        RemoteDataset(Objects(never), decode={"*.jpg": "image"})
+    with pytest.raises(ConfigError, match="Tar reads a URL or a Manifest, got 42"):
+        Tar(42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="reuse_listing must be a bool, got 'no'"):
+        Objects(never, reuse_listing="no")  # type: ignore[arg-type]
 
 
 def test_folder_labels_are_image_folder_s(
@@ -297,6 +325,25 @@ def test_folder_labels_are_image_folder_s(
         RemoteDataset(flat, decode="npy", labels="folders", storage_options=options)
 
 
+def test_the_listing_a_labelled_dataset_saves_serves_a_dataset_without_labels(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    """The listing saved beside a cache serves every dataset of its URL. One with
+    labels="folders" (which leaves out an object in no folder) saved its labelled view of it:
+    the next dataset of that URL without labels gave (sample, label) pairs and lacked that
+    object, and its listing check found an object added."""
+    root = f"s3://{BUCKET}/listed-labels-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    write(root, options, {"README.md": b"cats and dogs", "cat/0.bin": b"c", "dog/1.bin": b"d"})
+    cache = Cache(tmp_path / "c")
+    labelled = RemoteDataset(root, labels="folders", cache=cache, storage_options=options)
+    assert [labelled[i] for i in range(len(labelled))] == [(b"c", 0), (b"d", 1)]
+    plain = RemoteDataset(root, cache=cache, storage_options=options)
+    assert plain.manifest.labels is None and plain.manifest.classes is None
+    assert [plain[i] for i in range(len(plain))] == [b"cats and dogs", b"c", b"d"]
+    assert plain.listing_check is not None and not plain.listing_check.result(timeout=60).any
+
+
 def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: S3Server) -> None:
     """A validation split built apart from its training split, as ImageFolder users build it,
     lacks a rare class: its own sorted classes coded every class after the missing one one
@@ -321,8 +368,7 @@ def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: 
     val = RemoteDataset(
         f"{root}/val",
         decode="npy",
-        labels="folders",
-        classes=train.classes,
+        labels=Labels("folders", classes=train.classes),
         storage_options=options,
     )
     assert val.classes == train.classes
@@ -330,20 +376,23 @@ def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: 
         assert codes.tolist() == batch[:, 0].int().tolist() == [0, 2]
     table = {"cat/0004.npy": "fox", "fox/0005.npy": 1}  # a name, and an integer: its place
     mixed = RemoteDataset(
-        f"{root}/val", decode="npy", labels=table, classes=["cat", "dog", "fox"],
+        f"{root}/val",
+        decode="npy",
+        labels=Labels(table, classes=["cat", "dog", "fox"]),
         storage_options=options,
-    )  # fmt: skip
+    )
     assert [mixed[i][1] for i in range(len(mixed))] == [2, 1]
     with pytest.raises(ConfigError, match=r"not among the 3 classes given: 'wolf' \(.*0006"):
         RemoteDataset(
-            f"{root}/test", labels="folders", classes=train.classes, storage_options=options
+            f"{root}/test", labels=Labels("folders", classes=train.classes), storage_options=options
         )
     with pytest.raises(ConfigError, match=r"not among the 3 classes given: '7'"):
         RemoteDataset(
-            f"{root}/val", labels={"cat/0004.npy": 7, "fox/0005.npy": 0},
-            classes=train.classes, storage_options=options,
-        )  # fmt: skip
-    never = "memory://never-listed/prefix"  # named before any listing
+            f"{root}/val",
+            labels=Labels({"cat/0004.npy": 7, "fox/0005.npy": 0}, classes=train.classes),
+            storage_options=options,
+        )
+    # checked when the Labels is made, before any listing
     for bad, message in [
         ("cat", "non-empty list of class names"),
         (["cat", "cat"], r"names \['cat'\] twice"),
@@ -351,18 +400,17 @@ def test_a_split_without_a_class_codes_its_labels_by_the_classes_given(seaweed: 
         ({"cat", "dog"}, "in code order"),  # a set: no order to code classes by
     ]:
         with pytest.raises(ConfigError, match=message):
-            RemoteDataset(never, labels="folders", classes=bad)  # type: ignore[arg-type]
+            Labels("folders", classes=bad)  # type: ignore[arg-type]
     names = np.array(["cat", "dog", "fox"])  # an ordered sequence that is no list will do
     from_array = RemoteDataset(
         f"{root}/val",
-        labels="folders",
-        classes=names,
-        storage_options=options,  # type: ignore[arg-type]
+        labels=Labels("folders", classes=names),  # type: ignore[arg-type]
+        storage_options=options,
     )
     assert from_array.classes == ("cat", "dog", "fox")
     assert all(type(name) is str for name in from_array.classes)
-    with pytest.raises(ConfigError, match="it needs labels"):
-        RemoteDataset(never, classes=["cat"])
+    with pytest.raises(ConfigError, match=r"labels must be a mapping .* got None"):
+        Labels(None, classes=["cat"])  # type: ignore[arg-type]  # class names, no labels
 
 
 def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp_path: Any) -> None:

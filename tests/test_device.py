@@ -27,6 +27,7 @@ from fastload import (
     DeviceLoader,
     MissingExtraError,
     RemoteDataset,
+    Tar,
     UnsupportedSampleError,
 )
 from fastload.stall import DATA_BOUND_ABOVE, StallReport, _write_time, batch_size_of
@@ -331,7 +332,7 @@ def test_report_names_filling_the_cache_not_decoding_when_writes_are_the_wait(
     a slow transform, as such, with advice that fits whether a cache is there."""
     _tar_shards(tmp_path / "tar", 4, 50, (64, 1024))  # 200 samples of 256 KB
     dataset = RemoteDataset(
-        f"file://{tmp_path / 'tar'}", shards="tar", decode=_npy_view, cache=Cache(tmp_path / "c")
+        Tar(f"file://{tmp_path / 'tar'}"), decode=_npy_view, cache=Cache(tmp_path / "c")
     )
     loader = fastload.DataLoader(dataset, batch_size=10, num_workers=0)
     cold = run(DeviceLoader(loader, "cpu"), step=0.0)
@@ -345,8 +346,7 @@ def test_report_names_filling_the_cache_not_decoding_when_writes_are_the_wait(
         assert cache.write_cpu_s + cache.write_queued_s <= cache.write_s * 1.05 + 0.01
         assert "s on a CPU, " in cold.cause and " s waiting for one, " in cold.cause
     with_cache = RemoteDataset(
-        f"file://{tmp_path / 'tar'}",
-        shards="tar",
+        Tar(f"file://{tmp_path / 'tar'}"),
         decode="npy",
         transform=_slow_copy,
         cache=Cache(tmp_path / "c2"),
@@ -355,9 +355,7 @@ def test_report_names_filling_the_cache_not_decoding_when_writes_are_the_wait(
     slow = run(DeviceLoader(slow_loader, "cpu"), step=0.0)
     assert slow.cause is not None and slow.cause.startswith("decode/transform"), slow.cause
     assert "the cache keeps them" in slow.cause
-    uncached = RemoteDataset(
-        f"file://{tmp_path / 'tar'}", shards="tar", decode="npy", transform=_slow_copy
-    )
+    uncached = RemoteDataset(Tar(f"file://{tmp_path / 'tar'}"), decode="npy", transform=_slow_copy)
     plain_loader = fastload.DataLoader(uncached, batch_size=10, num_workers=0)
     plain = run(DeviceLoader(plain_loader, "cpu"), step=0.0)
     assert plain.cause is not None and "cache=fastload.Cache" in plain.cause, plain.cause

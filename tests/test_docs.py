@@ -34,8 +34,10 @@ A comment on the line before a block's fence steers it (``<!-- docs-test: ... --
 from __future__ import annotations
 
 import ast
+import dataclasses
 import gc
 import importlib.util
+import inspect
 import re
 import shlex
 from collections.abc import Iterator
@@ -300,3 +302,59 @@ def test_docs_block_runs(
         if dist.is_initialized():
             dist.destroy_process_group()
         fastload.shutdown()
+
+
+# RemoteDataset's arguments before the source objects, each moved onto a source or fastload.Labels
+MOVED = (
+    "shards",
+    "group_by",
+    "members",
+    "incomplete",
+    "row_key",
+    "columns",
+    "chunks",
+    "pattern",
+    "manifest_path",
+    "reuse_listing",
+    "label_key",
+    "label_field",
+    "classes",
+)
+
+
+def _section(page: str, heading: str) -> str:
+    """The text of ``page``'s section under ``heading``, up to the next heading of its level."""
+    text = (ROOT / page).read_text()
+    start = text.index(f"\n{heading}\n")
+    level = heading.split(" ", 1)[0]
+    end = text.find(f"\n{level} ", start + len(heading) + 2)
+    return text[start : None if end < 0 else end]
+
+
+def test_the_upgrade_table_gives_every_moved_argument_its_new_spelling() -> None:
+    """Each argument RemoteDataset no longer takes has a row in docs/migration.md's upgrade
+    table, which says what to write instead."""
+    taken = set(inspect.signature(fastload.RemoteDataset).parameters)
+    assert not taken & set(MOVED), "these are RemoteDataset's again: the table misleads"
+    rows = [
+        line
+        for line in _section("docs/migration.md", "## Upgrading to source objects").splitlines()
+        if line.startswith("| `")
+    ]
+    for name in MOVED:
+        assert any(f"{name}=" in row.split(" | ")[0] for row in rows), f"no row for {name}="
+
+
+def test_the_shapes_page_names_every_source_and_its_options() -> None:
+    """docs/shapes.md names every source of the registry, as users write it, and each of its
+    options."""
+    from fastload.sources.registry import SOURCES
+
+    text = (ROOT / "docs" / "shapes.md").read_text()
+    for name, kind in SOURCES.items():
+        assert f"fastload.{kind.__name__}" in text, f"the {name} source is not in docs/shapes.md"
+        assert getattr(fastload, kind.__name__) is kind, f"fastload.{kind.__name__} is not it"
+        for field in dataclasses.fields(kind):
+            assert f"`{field.name}" in text or f" {field.name}=" in text, (
+                f"docs/shapes.md does not name {kind.__name__}'s option {field.name}"
+            )

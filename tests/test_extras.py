@@ -229,7 +229,7 @@ def parquet(_: np.ndarray) -> bytes:
 RGB16 = np.arange(2 * 3 * 3, dtype=np.uint16).reshape(2, 3, 3) * 3000
 GREY8 = np.arange(6, dtype=np.uint8).reshape(2, 3) * 40
 CT = np.arange(12, dtype=np.uint16).reshape(3, 4) * 100
-FORMATS = {  # extra: (file name, its bytes, RemoteDataset's arguments, the samples it gives)
+FORMATS = {  # extra: (files, RemoteDataset's arguments and source by name, the samples)
     "image": (
         {"a.png": png16(RGB16), "b.png": png8(GREY8)},
         {"decode": "image"},
@@ -241,7 +241,7 @@ FORMATS = {  # extra: (file name, its bytes, RemoteDataset's arguments, the samp
         {"decode": "dicom"},
         [as_stored(CT.astype(np.float32) - 1024)],
     ),
-    "parquet": ({"a.parquet": parquet(CT)}, {"shards": "parquet"}, None),
+    "parquet": ({"a.parquet": parquet(CT)}, {"source": "parquet"}, None),
 }
 
 

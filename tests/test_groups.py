@@ -16,7 +16,17 @@ import tifffile
 import torch
 
 import fastload
-from fastload import Cache, ConfigError, DecodeError, Manifest, ObjectNotFoundError, RemoteDataset
+from fastload import (
+    Cache,
+    ConfigError,
+    DecodeError,
+    Groups,
+    Labels,
+    Manifest,
+    ObjectNotFoundError,
+    RemoteDataset,
+)
+from fastload.sources.registry import source_named
 from fastload.stores import filesystem
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
 from fastload.testing.dicom import ct_slice
@@ -57,8 +67,7 @@ def test_channels_of_a_field_are_one_sample(
     cell_painting(root, options)
     with caplog.at_level(logging.WARNING):
         dataset = RemoteDataset(
-            root,
-            group_by=CHANNEL_RE,
+            Groups(root, CHANNEL_RE),
             decode="tiff",
             labels="folders",  # the well, as ImageFolder would
             cache=Cache(tmp_path, format="npy"),
@@ -103,8 +112,7 @@ def test_groups_with_workers_the_workers_cache_ahead_themselves(
     cell_painting(root, seaweed.storage_options())
     with FaultProxy(seaweed.endpoint, flavor="s3", faults=Faults(latency=0.05)) as proxy:
         dataset = RemoteDataset(
-            root,
-            group_by=CHANNEL_RE,
+            Groups(root, CHANNEL_RE),
             decode="tiff",
             transform=stacked,
             cache=Cache(tmp_path, format="npy"),
@@ -138,7 +146,7 @@ def test_members_come_in_numbered_order(seaweed: S3Server) -> None:
     }
     write(root, options, objects)
     rule = r"(.*)_ch\d+\.tiff$"
-    dataset = RemoteDataset(root, group_by=rule, decode="tiff", storage_options=options)
+    dataset = RemoteDataset(Groups(root, rule), decode="tiff", storage_options=options)
     sample = dataset[1]
     assert list(sample) == [f"{fields[1]}_ch{c}.tiff" for c in range(1, 13)]
     stacked = np.stack([member[0, 0, 0] for member in sample.values()])
@@ -152,28 +160,26 @@ def test_a_missing_channel_is_named_and_the_user_chooses(seaweed: S3Server, tmp_
     fs = filesystem(root, options)
     fs.rm_file(f"{fs._strip_protocol(root)}/{FIELDS[2]}_ch3.tiff")
     with pytest.raises(ConfigError, match=r"1 of 12 groups .* incomplete.*A01/f3.*_ch3\.tiff"):
-        RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, CHANNEL_RE), decode="tiff", storage_options=options)
     skipped = RemoteDataset(
-        root, group_by=CHANNEL_RE, decode="tiff", incomplete="skip", storage_options=options
+        Groups(root, CHANNEL_RE, incomplete="skip"), decode="tiff", storage_options=options
     )
     assert len(skipped) == len(FIELDS) - 1
     named = [f"{root}/{FIELDS[2]}: incomplete group, missing ['_ch3.tiff']"]
     assert skipped.stats()["dataset"]["left_out"] == named  # where a script can see it too
     skipped.manifest.save(tmp_path / "m.npz")  # a restart from it groups nothing again
     again = RemoteDataset(
-        Manifest.load(tmp_path / "m.npz"),
-        group_by=CHANNEL_RE,
+        Groups(Manifest.load(tmp_path / "m.npz"), CHANNEL_RE, incomplete="skip"),
         decode="tiff",
-        incomplete="skip",
         storage_options=options,
     )
     assert len(again) == len(FIELDS) - 1 and again.stats()["dataset"]["left_out"] == named
     kept = RemoteDataset(
-        root, group_by=CHANNEL_RE, decode="tiff", incomplete="accept", storage_options=options
+        Groups(root, CHANNEL_RE, incomplete="accept"), decode="tiff", storage_options=options
     )
     assert len(kept) == len(FIELDS) and len(kept[2]) == CHANNELS - 1
     with pytest.raises(ConfigError, match="4 members, not 5"):
-        RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", members=5, storage_options=options)
+        RemoteDataset(Groups(root, CHANNEL_RE, members=5), decode="tiff", storage_options=options)
 
 
 def test_a_broken_member_skips_its_whole_group_by_name(b2: B2Server, tmp_path: Any) -> None:
@@ -181,13 +187,12 @@ def test_a_broken_member_skips_its_whole_group_by_name(b2: B2Server, tmp_path: A
     options = b2.storage_options()
     cell_painting(root, options)
     write(root, options, {f"{FIELDS[7]}_ch2.tiff": b"II*\x00 truncated"})
-    strict = RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+    strict = RemoteDataset(Groups(root, CHANNEL_RE), decode="tiff", storage_options=options)
     with pytest.raises(fastload.DecodeError, match=r"A02/f4_ch2\.tiff") as info:
         strict[7]
     assert info.value.url == f"{root}/{FIELDS[7]}"  # the group, named by its URL
     lenient = RemoteDataset(
-        root,
-        group_by=CHANNEL_RE,
+        Groups(root, CHANNEL_RE),
         decode="tiff",
         on_error="skip",
         cache=Cache(tmp_path),
@@ -200,7 +205,7 @@ def test_a_broken_member_skips_its_whole_group_by_name(b2: B2Server, tmp_path: A
     fs = filesystem(root, options)
     fs.rm_file(f"{fs._strip_protocol(root)}/{FIELDS[0]}_ch1.tiff")
     fresh = RemoteDataset(
-        strict.manifest, group_by=CHANNEL_RE, decode="tiff", storage_options=options
+        Groups(strict.manifest, CHANNEL_RE), decode="tiff", storage_options=options
     )
     with pytest.raises(ObjectNotFoundError, match=r"group 'plate1/A01/f1': member .*_ch1\.tiff"):
         fresh[0]
@@ -232,19 +237,15 @@ def test_dicom_like_series_with_labels_per_participant(gcs: FakeGcsServer, tmp_p
 
     with pytest.raises(ConfigError, match=r"no column 'key'.*participant_id"):
         RemoteDataset(
-            root, group_by=by_participant, decode=volume, labels=str(table), storage_options=options
+            Groups(root, by_participant), decode=volume, labels=str(table), storage_options=options
         )
 
-    def participants(**kwargs: Any) -> RemoteDataset:
+    def participants(classes: list[str] | None = None) -> RemoteDataset:
         return RemoteDataset(
-            root,
-            group_by=by_participant,
+            Groups(root, by_participant),
             decode=volume,
-            labels=str(table),
-            label_key="participant_id",
-            label_field="diagnosis",
+            labels=Labels(str(table), key="participant_id", field="diagnosis", classes=classes),
             storage_options=options,
-            **kwargs,
         )
 
     dataset = participants()
@@ -256,8 +257,7 @@ def test_dicom_like_series_with_labels_per_participant(gcs: FakeGcsServer, tmp_p
     assert dataset[2][0][:, 0].tolist() == list(range(9))  # slices in key order
     with pytest.raises(ConfigError, match="labels match none of the 3 groups"):
         RemoteDataset(
-            root,
-            group_by=by_participant,
+            Groups(root, by_participant),
             decode=volume,
             labels={"patient-9": 1},
             storage_options=options,
@@ -269,27 +269,37 @@ def test_bad_group_rules_are_named(seaweed: S3Server) -> None:
     options = seaweed.storage_options()
     cell_painting(root, options)
     with pytest.raises(ConfigError, match="matches none of the 61 objects"):
-        RemoteDataset(root, group_by=r"(.*)\.png$", decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, r"(.*)\.png$"), decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match=r"puts all 61 objects .* in one group, 'plate1'"):
-        RemoteDataset(root, group_by=r"^(plate1)", decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, r"^(plate1)"), decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match="not a valid regular expression"):
-        RemoteDataset(root, group_by=r"(unclosed", decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, r"(unclosed"), decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match="empty group name"):
-        RemoteDataset(root, group_by=lambda k: "", decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, lambda k: ""), decode="tiff", storage_options=options)
     with pytest.raises(ConfigError, match="a group name that is not a str, 5 for"):
-        RemoteDataset(root, group_by=lambda k: 5, decode="tiff", storage_options=options)
-    # what only groups (or shards) use is refused without them, not ignored
-    with pytest.raises(ConfigError, match=r"need group_by or shards='tar'"):
-        RemoteDataset(root, members=5, decode="tiff", storage_options=options)
-    with pytest.raises(ConfigError, match=r"need group_by or shards='tar'"):
-        RemoteDataset(root, shards="parquet", incomplete="skip", storage_options=options)
-    with pytest.raises(ConfigError, match="chunks configures reading inside shards"):
-        RemoteDataset(root, chunks=fastload.ChunkConfig(), storage_options=options)
+        RemoteDataset(Groups(root, lambda k: 5), decode="tiff", storage_options=options)
+    # what only groups (or shards) use is refused by a source that does not, not ignored
+    # (the CLI's --incomplete, --row-key... are given to a source by its name)
+    with pytest.raises(
+        ConfigError,
+        match=r"the objects source does not take members \(members applies to .*groups.*tar",
+    ):
+        source_named("objects", root, members=5)
+    with pytest.raises(
+        ConfigError,
+        match=r"the parquet source does not take incomplete \(incomplete applies to .*groups.*tar",
+    ):
+        source_named("parquet", root, incomplete="skip")
+    with pytest.raises(
+        ConfigError,
+        match=r"the objects source does not take chunks \(chunks applies to .*parquet.*tar",
+    ):
+        source_named("objects", root, chunks=fastload.ChunkConfig())
     # wrong types are named (a TypeError or ValueError from dict() or open() they were), and
     # storage options given as pairs are not echoed: they hold the credentials
     pairs = list(options.items())
     with pytest.raises(ConfigError, match=r"storage_options must be a mapping.*got a list") as bad:
-        RemoteDataset(root, group_by=r"(.*)_ch\d", decode="tiff", storage_options=pairs)
+        RemoteDataset(Groups(root, r"(.*)_ch\d"), decode="tiff", storage_options=pairs)
     assert all(str(value) not in str(bad.value) for _, value in pairs)
     with pytest.raises(ConfigError, match="storage_options must be a mapping"):
         fastload.Manifest.build(root, storage_options="endpoint_url=x")  # type: ignore[arg-type]
@@ -322,8 +332,7 @@ def test_warm_cache_cli_with_groups_then_training_reads_only_the_cache(
     again = cli(*args)
     assert json.loads(again.stdout)["hits"] == len(FIELDS)  # both shards cached everything
     dataset = RemoteDataset(
-        root,
-        group_by=CHANNEL_RE,
+        Groups(root, CHANNEL_RE),
         decode="tiff",
         cache=Cache(tmp_path / "c", format="npy"),
         storage_options=options,
@@ -377,8 +386,7 @@ def test_a_dicom_series_per_volume_on_b2(b2: B2Server, tmp_path: Any) -> None:
         truth[sub] = stored * 2.0 - 1024  # Hounsfield units
     write(root, options, objects)
     dataset = RemoteDataset(
-        root,
-        group_by=r"^(sub-\d+)/",
+        Groups(root, r"^(sub-\d+)/"),
         decode="dicom-series",
         labels={"sub-01": 1, "sub-02": 0},
         cache=Cache(tmp_path, format="npy"),
@@ -481,7 +489,7 @@ def test_a_group_that_is_not_one_volume_is_named(seaweed: S3Server) -> None:
     objects["sub-05/IM1.dcm"] = without_position(objects["sub-05/IM1.dcm"])
     write(root, options, objects)
     dataset = RemoteDataset(
-        root, group_by=r"^(sub-\d+)/", decode="dicom-series", storage_options=options
+        Groups(root, r"^(sub-\d+)/"), decode="dicom-series", storage_options=options
     )
     with pytest.raises(DecodeError, match=r"holds 2 DICOM series .*group the files by series"):
         dataset[0]
@@ -511,25 +519,74 @@ def test_a_saved_manifest_keeps_the_grouping(
     root = f"s3://{BUCKET}/saved-groups-{uuid.uuid4().hex[:8]}"
     options = seaweed.storage_options()
     cell_painting(root, options)
-    first = RemoteDataset(root, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+    first = RemoteDataset(Groups(root, CHANNEL_RE), decode="tiff", storage_options=options)
     first.manifest.save(tmp_path / "m.npz")
     loaded = fastload.Manifest.load(tmp_path / "m.npz", url=root)
-    assert loaded.grouping is not None and len(loaded.grouping.names) == len(FIELDS)
+    grouping = loaded.kept["groups"]  # the rule that made it, and the groups
+    assert grouping.tag.startswith("re:") and len(grouping.arrays["ends"]) == len(FIELDS)
 
     def no_grouping(*args: Any) -> None:
         raise AssertionError("grouped again")
 
     with monkeypatch.context() as patch:
         patch.setattr("fastload.sources.groups._group", no_grouping)
-        again = RemoteDataset(loaded, group_by=CHANNEL_RE, decode="tiff", storage_options=options)
+        again = RemoteDataset(Groups(loaded, CHANNEL_RE), decode="tiff", storage_options=options)
         assert [again.source[i] for i in range(len(again))] == [
             first.source[i] for i in range(len(first))
         ]
         with pytest.raises(AssertionError, match="grouped again"):  # another rule: grouped anew
-            RemoteDataset(loaded, group_by=r"(.*)_ch\d", decode="tiff", storage_options=options)
-    other = RemoteDataset(loaded, group_by=r"(.*)_ch\d", decode="tiff", storage_options=options)
+            RemoteDataset(Groups(loaded, r"(.*)_ch\d"), decode="tiff", storage_options=options)
+    other = RemoteDataset(Groups(loaded, r"(.*)_ch\d"), decode="tiff", storage_options=options)
     assert len(other) == len(FIELDS)
-    assert loaded[:3].grouping is None  # a derived manifest has other entries: no grouping
+    assert loaded[:3].kept == {}  # a derived manifest has other entries: no grouping
+
+
+def test_the_listing_a_dataset_saves_keeps_its_grouping_until_the_objects_change(
+    seaweed: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing a Groups dataset saves beside its cache keeps the grouping, as a tar
+    dataset's keeps its shards' indexes: the next start groups nothing. When the objects change,
+    the listing checked behind that start is saved without it (a grouping names entries by
+    position, which moved), and the start after groups the new listing."""
+    root = f"s3://{BUCKET}/listed-groups-{uuid.uuid4().hex[:8]}"
+    options = seaweed.storage_options()
+    cell_painting(root, options)
+    cache = Cache(tmp_path / "c", format="npy")
+
+    def dataset() -> RemoteDataset:
+        return RemoteDataset(
+            Groups(root, CHANNEL_RE), decode="tiff", cache=cache, storage_options=options
+        )
+
+    first = dataset()
+    (listing,) = (tmp_path / "c" / "manifests").glob("*.npz")
+    assert Manifest.load(listing).kept["groups"].tag == first.manifest.kept["groups"].tag
+
+    def no_grouping(*args: Any) -> None:
+        raise AssertionError("grouped again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("fastload.sources.groups._group", no_grouping)
+        again = dataset()
+        assert [again.source[i] for i in range(len(again))] == [
+            first.source[i] for i in range(len(first))
+        ]
+        assert again.listing_check is not None
+        assert not again.listing_check.result(timeout=60).any
+
+    new_field = {
+        f"plate1/A01/f0_ch{c}.tiff": tiff(channel(FIELDS[0], c)) for c in range(1, CHANNELS + 1)
+    }
+    write(root, options, new_field)
+    behind = dataset()  # this start keeps its saved listing and grouping ...
+    assert len(behind) == len(FIELDS) and behind.listing_check is not None
+    assert behind.listing_check.result(timeout=60).added == CHANNELS
+    assert "groups" not in Manifest.load(listing).kept  # ... the new listing is saved without
+    after = dataset()
+    assert len(after) == len(FIELDS) + 1 and after.source[0].name == "plate1/A01/f0"
+    assert [p.key for p in after.source[0].parts] == [
+        f"plate1/A01/f0_ch{c}.tiff" for c in range(1, CHANNELS + 1)
+    ]
 
 
 def test_a_multiframe_file_and_a_folder_of_slices_give_one_shape(seaweed: S3Server) -> None:
@@ -544,7 +601,7 @@ def test_a_multiframe_file_and_a_folder_of_slices_give_one_shape(seaweed: S3Serv
         objects[f"vol-b/IM{z}.dcm"] = ct_slice(stored[z], z=2.5 * z, instance=z + 1, slope=1)
     write(root, options, objects)
     dataset = RemoteDataset(
-        root, group_by=r"^(vol-\w)/", decode="dicom-series", storage_options=options
+        Groups(root, r"^(vol-\w)/"), decode="dicom-series", storage_options=options
     )
     a, b = dataset[0], dataset[1]
     assert a.shape == b.shape == (4, 6, 7)
@@ -561,11 +618,11 @@ def test_a_group_by_without_a_capture_group_that_names_channels_is_refused(
     options = seaweed.storage_options()
     cell_painting(root, options)
     with pytest.raises(ConfigError, match=r"no capture group.*'_ch1\.tiff'.*\^\(\.\*\)"):
-        RemoteDataset(root, group_by=r"_ch\d\.tiff$", decode="tiff", storage_options=options)
+        RemoteDataset(Groups(root, r"_ch\d\.tiff$"), decode="tiff", storage_options=options)
     # a whole match that names the sample (no capture group) is still a group name
     dicom = {f"sub-{s:02d}/IM{i}.dcm": b"x" for s in range(3) for i in range(2)}
     write(f"{root}/dicom", options, dicom)
-    by_prefix = RemoteDataset(f"{root}/dicom", group_by=r"^sub-\d+", storage_options=options)
+    by_prefix = RemoteDataset(Groups(f"{root}/dicom", r"^sub-\d+"), storage_options=options)
     assert [s.url.rsplit("/", 1)[-1] for s in map(by_prefix.source.__getitem__, range(3))] == [
         "sub-00",
         "sub-01",
@@ -583,12 +640,10 @@ def test_groups_without_a_label_are_left_out_and_named_under_incomplete_skip(
     write(root, options, {f"sub-{s:02d}/IM{i}.dcm": b"x" for s in range(18) for i in range(2)})
     labels = {f"sub-{s:02d}": s % 2 for s in range(18) if s not in (4, 11)}
     with pytest.raises(ConfigError, match=r"2 of 18 groups .* no label .*incomplete='skip'"):
-        RemoteDataset(root, group_by=r"^(sub-\d+)/", labels=labels, storage_options=options)
+        RemoteDataset(Groups(root, r"^(sub-\d+)/"), labels=labels, storage_options=options)
     dataset = RemoteDataset(
-        root,
-        group_by=r"^(sub-\d+)/",
+        Groups(root, r"^(sub-\d+)/", incomplete="skip"),
         labels=labels,
-        incomplete="skip",
         decode=len,
         storage_options=options,
     )

@@ -53,10 +53,8 @@ def _epochs(root: str, options: dict[str, Any], cache: str, workers: int = 0) ->
     from tests.test_shards import DECODE, image
 
     dataset = RemoteDataset(
-        f"{root}/train",
-        shards="tar",
+        fastload.Tar(f"{root}/train", chunks=ChunkConfig(chunk_bytes=150_000)),  # a few a shard
         decode=DECODE,
-        chunks=ChunkConfig(chunk_bytes=150_000),  # a few chunks a shard
         cache=Cache(cache, format="npy"),
         storage_options=options,
     )
@@ -125,9 +123,9 @@ def test_ranks_read_every_sample_once_from_their_own_chunks(
 
 
 def _indexed(root: str, options: dict[str, Any]) -> dict[str, Any]:
-    from fastload import RemoteDataset
+    from fastload import RemoteDataset, Tar
 
-    dataset = RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+    dataset = RemoteDataset(Tar(f"{root}/train"), storage_options=options)
     return {
         "bytes": dataset.fetcher.counters.bytes,
         "names": [dataset.source.identities([i])[0][0] for i in range(len(dataset))],
@@ -162,7 +160,7 @@ def _evaluate_on_rank_zero(root: str, options: dict[str, Any]) -> list[int]:
     if dist.get_rank() == 0:  # the others never make it: nothing may wait on them
         with fastload.this_rank_only():
             dataset = RemoteDataset(
-                f"{root}/train", shards="tar", decode=DECODE, storage_options=options
+                fastload.Tar(f"{root}/train"), decode=DECODE, storage_options=options
             )
             loader = fastload.DataLoader(dataset, batch_size=BATCH, collate_fn=list)
         seen = [item["meta.json"]["n"] for batch in loader for item in batch]

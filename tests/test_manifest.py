@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
 from pathlib import Path
@@ -19,11 +21,15 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastload import Groups, Objects, RemoteDataset, Tar
 from fastload import manifest as manifest_module
 from fastload._select import expand_braces, literal_prefixes
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, ObjectNotFoundError, StoreError, TransientStoreError
-from fastload.manifest import Manifest, Strings
+from fastload.manifest import Kept, Manifest, Strings
+from fastload.sources._indexes import ShardIndexes
+from fastload.sources.groups import _rule
+from fastload.stores.s3 import FAST_PATH
 from fastload.testing import FaultProxy, Faults, free_port
 from tests.conftest import BUCKET, write
 from tests.misbehaving import misbehaving_s3
@@ -123,8 +129,9 @@ def test_missing_labels(tmp_path: Path) -> None:
     bad.write_text("name,cls\na,1\n")
     with pytest.raises(
         ConfigError, match="has no column 'key'; its columns are \\['name', 'cls'\\]"
-    ):
+    ) as caught:
         manifest.with_labels(bad)
+    assert "fastload.Labels(..., key='name', field='cls')" in str(caught.value)  # the fix
 
 
 def test_a_spreadsheet_csv_and_a_key_labelled_twice(tmp_path: Path) -> None:
@@ -239,7 +246,7 @@ def test_a_glob_in_a_url_that_lists_nothing_says_how_to_match_keys(tmp_path: Pat
     with pytest.raises(ObjectNotFoundError) as caught:
         Manifest.build(f"file://{tmp_path}/s-?.npy")
     said = str(caught.value)
-    assert f"RemoteDataset('file://{tmp_path}', pattern='s-?.npy')" in said
+    assert f"RemoteDataset(Objects('file://{tmp_path}', pattern='s-?.npy'))" in said
     assert f"Manifest.build('file://{tmp_path}', pattern='s-?.npy')" in said
     assert Manifest.build(f"file://{tmp_path}", pattern="s-?.npy").keys() == ["s-0.npy", "s-1.npy"]
     assert Manifest.build(f"file://{tmp_path}/s-{{0,1}}.npy").keys() == ["s-0.npy", "s-1.npy"]
@@ -517,9 +524,12 @@ def test_a_saved_listing_starts_a_dataset_without_listing_and_is_checked_behind(
     with FaultProxy(server.endpoint, flavor=store) as proxy:  # type: ignore[arg-type]
         options = server.storage_options(proxy.endpoint)
 
-        def dataset(**kwargs: Any) -> RemoteDataset:
+        def dataset(reuse_listing: bool = True) -> RemoteDataset:
             return RemoteDataset(
-                root, cache=cache, storage_options=options, fetch_config=config, **kwargs
+                Objects(root, reuse_listing=reuse_listing),
+                cache=cache,
+                storage_options=options,
+                fetch_config=config,
             )
 
         first = dataset()
@@ -558,13 +568,19 @@ def test_an_unusable_saved_listing_is_listed_again(
     path = tmp_path / "listing.npz"
     path.write_bytes(b"not a manifest")
     with caplog.at_level(logging.WARNING, logger="fastload.manifest"):
-        dataset = RemoteDataset(root, manifest_path=path, storage_options=seaweed.storage_options())
+        dataset = RemoteDataset(
+            Objects(root, manifest_path=path), storage_options=seaweed.storage_options()
+        )
     assert len(dataset) == 3 and "saved manifest is unusable" in caplog.text
     assert len(Manifest.load(path, url=root)) == 3  # saved over the bad file
     other = f"s3://{BUCKET}/other-{uuid.uuid4().hex[:8]}"
     write(other, seaweed.storage_options(), {"a.bin": b"x"})
     assert (
-        len(RemoteDataset(other, manifest_path=path, storage_options=seaweed.storage_options()))
+        len(
+            RemoteDataset(
+                Objects(other, manifest_path=path), storage_options=seaweed.storage_options()
+            )
+        )
         == 1
     )
 
@@ -582,20 +598,28 @@ def test_a_saved_listing_of_some_keys_is_not_used_for_all(
     write(root, options, {f"part-{i}.bin": b"x" for i in range(4)})
     path = tmp_path / "listing.npz"
     assert (
-        len(RemoteDataset(f"{root}/part-{{0..1}}.bin", manifest_path=path, storage_options=options))
+        len(
+            RemoteDataset(
+                Objects(f"{root}/part-{{0..1}}.bin", manifest_path=path), storage_options=options
+            )
+        )
         == 2
     )
     with caplog.at_level(logging.WARNING, logger="fastload.manifest"):
-        assert len(RemoteDataset(root, manifest_path=path, storage_options=options)) == 4
+        assert len(RemoteDataset(Objects(root, manifest_path=path), storage_options=options)) == 4
     assert "keeps only the keys matching 'part-{0..1}.bin'" in caplog.text
     assert (
-        len(RemoteDataset(f"{root}/part-{{0..1}}.bin", manifest_path=path, storage_options=options))
+        len(
+            RemoteDataset(
+                Objects(f"{root}/part-{{0..1}}.bin", manifest_path=path), storage_options=options
+            )
+        )
         == 2
     )
 
 
 def test_a_dataset_keeps_the_keys_its_pattern_matches(seaweed: Any, tmp_path: Path) -> None:
-    """``RemoteDataset(folder, pattern=...)``: a glob needs no Manifest of the user's. Its
+    """``RemoteDataset(Objects(folder, pattern=...))``: a glob needs no Manifest of the user's. Its
     saved listing is its own (a cache's folder holds one per URL and pattern), reused at the
     next start; over a Manifest the pattern filters it; with a brace list in the URL too it is
     an error."""
@@ -606,8 +630,9 @@ def test_a_dataset_keeps_the_keys_its_pattern_matches(seaweed: Any, tmp_path: Pa
     names = ["train/a.npy", "train/b.npy", "train/sub/c.npy", "train/notes.txt", "val/d.npy"]
     write(root, options, dict.fromkeys(names, b"x") | {"train/": b""})  # a folder marker
 
-    def keys(**kwargs: Any) -> list[str]:
-        dataset = RemoteDataset(root, cache=Cache(tmp_path), storage_options=options, **kwargs)
+    def keys(pattern: str | None = None) -> list[str]:
+        source = Objects(root, pattern=pattern)
+        dataset = RemoteDataset(source, cache=Cache(tmp_path), storage_options=options)
         return [dataset.manifest[i].key for i in range(len(dataset))]
 
     assert keys(pattern="train/*.npy") == ["train/a.npy", "train/b.npy", "train/sub/c.npy"]
@@ -617,9 +642,11 @@ def test_a_dataset_keeps_the_keys_its_pattern_matches(seaweed: Any, tmp_path: Pa
     write(root, options, {"train/e.npy": b"x"})
     assert "train/e.npy" not in keys(pattern="train/*.npy")  # the saved one, checked behind
     whole = Manifest.build(root, storage_options=options)
-    assert RemoteDataset(whole, pattern="val/*").manifest.keys() == ["val/d.npy"]
+    assert RemoteDataset(Objects(whole, pattern="val/*")).manifest.keys() == ["val/d.npy"]
     with pytest.raises(ConfigError, match="not both"):
-        RemoteDataset(f"{root}/train/{{a,b}}.npy", pattern="*.npy", storage_options=options)
+        RemoteDataset(
+            Objects(f"{root}/train/{{a,b}}.npy", pattern="*.npy"), storage_options=options
+        )
 
 
 def test_a_batch_of_keys_and_versions_is_picked_as_one_by_one() -> None:
@@ -642,12 +669,12 @@ def test_a_listing_whose_token_repeats_forever_ends_with_a_store_error(
 ) -> None:
     """IsTruncated=true with the same token on every page: before, 9,000 pages in 15 s and
     memory growing, on both the parallel and the one-chain path."""
-    config = FetchConfig(fast_path=fast_path, timeout=5, retries=1)
+    config = FetchConfig(timeout=5, retries=1)
     with misbehaving_s3("same-page") as server:
         with pytest.raises(StoreError, match=r"after 2 pages.*never end.*: data/"):
             Manifest.build(
                 "s3://bkt/data",
-                storage_options=server.storage_options(),
+                storage_options={**server.storage_options(), FAST_PATH: fast_path},
                 parallel=parallel,
                 fetch_config=config,
             )
@@ -761,3 +788,162 @@ def test_a_bucket_key_with_a_dot_dot_segment_is_refused_at_build_naming_it(moto:
         client.put_object(Bucket=BUCKET, Key=prefix + key, Body=b"1")
     with pytest.raises(ConfigError, match=r"'x/\.\./\.\./escape\.bin'.*pattern="):
         Manifest.build(f"s3://{BUCKET}/{prefix}", storage_options=moto.storage_options())
+
+
+# -- what sample sources keep with a manifest (its slots) ------------------------------------
+
+
+def test_what_a_source_keeps_is_saved_and_loaded_with_its_manifest_and_dropped_by_derived_ones(
+    tmp_path: Path,
+) -> None:
+    """A manifest carries what sources keep (a grouping, shard indexes) in slots it never
+    looks inside: each comes back from a file and from bytes as it went in (tag, arrays with
+    their types, whether it names objects by key), a slot kept again is replaced, any manifest
+    derived from it (other entries) has none, and a slot's arrays are under the checksum."""
+    by_key = Kept(
+        "index/3", {"values": np.arange(6), "names": np.frombuffer(b"ab", np.uint8)}, True
+    )
+    by_position = Kept("rule|x", {"members": np.array([2, 0, 1]), "none": np.zeros(0, np.float32)})
+    manifest = synthetic(10).keeping("shards", by_key).keeping("groups", by_position)
+    manifest.save(tmp_path / "m.npz")
+    for loaded in (Manifest.load(tmp_path / "m.npz"), Manifest.from_bytes(manifest.to_bytes())):
+        assert loaded.fingerprint == manifest.fingerprint
+        assert sorted(loaded.kept) == ["groups", "shards"]
+        for slot, kept in manifest.kept.items():
+            got = loaded.kept[slot]
+            assert (got.tag, got.by_key) == (kept.tag, kept.by_key)
+            assert sorted(got.arrays) == sorted(kept.arrays)
+            for name, values in kept.arrays.items():
+                assert got.arrays[name].dtype == values.dtype
+                assert np.array_equal(got.arrays[name], values)
+    again = manifest.keeping("groups", Kept("other", {}))
+    assert again.kept["groups"].tag == "other" and again.kept["shards"] is by_key
+    assert Manifest.from_bytes(again.to_bytes()).kept["groups"].arrays == {}
+    for derived in (
+        manifest[:5],
+        manifest.filter(pattern="class1/*"),
+        manifest.subset(4),
+        manifest.with_labels(dict.fromkeys(manifest.keys(), 1)),
+    ):
+        assert derived.kept == {}
+    with np.load(tmp_path / "m.npz") as data:
+        arrays = {name: data[name] for name in data.files}
+    arrays["kept.groups.members"] = np.array([2, 1, 0])  # one slot's array edited
+    np.savez(tmp_path / "edited.npz", **arrays)
+    with pytest.raises(ConfigError, match=r"checksum.*edited\.npz"):
+        Manifest.load(tmp_path / "edited.npz")
+
+
+def test_a_listing_checked_behind_keeps_only_what_names_objects_by_key(tmp_path: Path) -> None:
+    """When the background check of a saved listing finds the objects changed, it saves the
+    new listing with the slots that name objects by key and version (shard indexes: each
+    applies to its own shard) and without those that name them by position (a grouping: the
+    positions moved). An unchanged listing is not saved again."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"{i}.bin").write_bytes(b"x")
+    url, path = f"file://{data}", tmp_path / "listing.npz"
+    by_key = Kept("index/1", {"a": np.arange(3)}, by_key=True)
+    by_position = Kept("rule", {"members": np.array([0, 1, 2])})
+    Manifest.build(url).keeping("shards", by_key).keeping("groups", by_position).save(path)
+    same = RemoteDataset(Objects(url, manifest_path=path))
+    assert same.listing_check is not None and not same.listing_check.result(timeout=60).any
+    assert sorted(Manifest.load(path).kept) == ["groups", "shards"]
+    (data / "3.bin").write_bytes(b"x")
+    behind = RemoteDataset(Objects(url, manifest_path=path))
+    assert len(behind) == 3 and sorted(behind.manifest.kept) == ["groups", "shards"]
+    assert behind.listing_check is not None
+    assert behind.listing_check.result(timeout=60).added == 1
+    saved = Manifest.load(path)
+    assert len(saved) == 4 and list(saved.kept) == ["shards"]
+    assert saved.kept["shards"].tag == "index/1" and saved.kept["shards"].by_key
+    assert np.array_equal(saved.kept["shards"].arrays["a"], np.arange(3))
+
+
+def _saved_before_slots(
+    path: Path, manifest: Manifest, fields: dict[str, str], arrays: dict[str, np.ndarray]
+) -> None:
+    """``manifest`` saved as fastload saved it before slots: what a source kept in a field of
+    its own (``grouping``, ``shard_index``) and arrays of its own prefix (``group_``,
+    ``shard_index.``), with a checksum that matches."""
+    manifest.save(path)
+    with np.load(path) as data:
+        saved = {n: data[n] for n in data.files if n != "meta" and not n.startswith("kept.")}
+    meta = {
+        "format": manifest_module.FORMAT,
+        "root": manifest.root,
+        "pattern": manifest.pattern,
+        "count": len(manifest),
+        "fingerprint": manifest.fingerprint,
+        "classes": manifest.classes,
+        "grouping": None,
+        "shard_index": None,
+        **fields,
+    }
+    saved.update(arrays)
+    meta["checksum"] = manifest_module._checksum(meta, saved)
+    saved["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(path, **saved)
+
+
+def test_a_manifest_saved_before_slots_still_gives_its_grouping_and_shard_indexes(
+    tmp_path: Path,
+) -> None:
+    """Listings saved by the fastload before sources kept their part in slots (in the cache's
+    folder, or a user's manifest_path) start a dataset as they did: the grouping they keep is
+    used, not made again (here it left out a group that is complete today: only the saved one
+    can say so), and the shard indexes they keep spare every read of the shards."""
+    channels = tmp_path / "channels"
+    channels.mkdir()
+    for field in (1, 2, 3):
+        for c in (1, 2):
+            (channels / f"f{field}_ch{c}.bin").write_bytes(bytes([field, c]))
+    url, rule = f"file://{channels}", r"(.*)_ch\d\.bin$"
+    listed = Manifest.build(url)
+    names = Strings.of(["f1", "f3"])
+    gone = Strings.of([f"{listed.root}/f2: incomplete group, missing ['_ch2.bin']"])
+    tag = _rule(rule, "skip", None)
+    assert tag is not None
+    _saved_before_slots(
+        tmp_path / "groups.npz",
+        listed,
+        {"grouping": tag},
+        {
+            "group_name_blob": names.blob,
+            "group_name_ends": names.ends,
+            "group_members": np.array([0, 1, 4, 5], np.int64),  # f1's channels, f3's
+            "group_ends": np.array([2, 4], np.int64),
+            "group_left_out_blob": gone.blob,
+            "group_left_out_ends": gone.ends,
+        },
+    )
+    loaded = Manifest.load(tmp_path / "groups.npz", url=url)
+    assert list(loaded.kept) == ["groups"] and not loaded.kept["groups"].by_key
+    groups = RemoteDataset(Groups(loaded, rule, incomplete="skip"))
+    assert [groups.source[i].name for i in range(len(groups))] == ["f1", "f3"]
+    assert groups.stats()["dataset"]["left_out"] == gone.tolist()
+    assert groups[1] == {"f3_ch1.bin": bytes([3, 1]), "f3_ch2.bin": bytes([3, 2])}
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "a.tar", mode="w") as tar:
+        for n in range(3):
+            info = tarfile.TarInfo(f"{n:03d}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(str(n).encode()))
+    url = f"file://{shards}"
+    indexes = ShardIndexes.kept_by(RemoteDataset(Tar(url)).manifest)
+    assert indexes is not None
+    kept = indexes.kept()
+    _saved_before_slots(
+        tmp_path / "shards.npz",
+        Manifest.build(url),
+        {"shard_index": kept.tag},
+        {f"shard_index.{name}": values for name, values in kept.arrays.items()},
+    )
+    loaded = Manifest.load(tmp_path / "shards.npz", url=url)
+    assert list(loaded.kept) == ["shards"] and loaded.kept["shards"].by_key
+    tars = RemoteDataset(Tar(loaded))
+    assert tars.fetcher.counters.requests == 0  # indexed as saved: no shard read
+    assert [tars[n] for n in range(3)] == [{"txt": str(n).encode()} for n in range(3)]

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from fastload import Manifest, RemoteDataset, ShardError
-from fastload.manifest import ShardIndexes
+from fastload import Manifest, RemoteDataset, ShardError, Tar
+from fastload.sources._indexes import SLOT, ShardIndexes
 from fastload.sources.tar import TarShards
 from fastload.testing import S3Server
 from tests.conftest import BUCKET, write
@@ -30,13 +30,13 @@ def test_a_tar_index_saved_before_truncation_was_checked_is_refused(seaweed: S3S
     options = seaweed.storage_options()
     cut = tar_cut_between_samples(tar_bytes(BAD))
     write(root, options, {"a.tar": tar_bytes(BAD[:2])})
-    made = RemoteDataset(root, shards="tar", storage_options=options).manifest
-    assert made.shard_indexes is not None
-    (index,) = made.shard_indexes.lookup(TarShards.index_version).values()
+    made = ShardIndexes.kept_by(RemoteDataset(Tar(root), storage_options=options).manifest)
+    assert made is not None
+    (index,) = made.lookup(TarShards.index_version).values()
 
     write(root, options, {"a.tar": cut})  # the same two samples, cut
     listed = Manifest.build(root, storage_options=options)
     old = ShardIndexes.of(TarShards.index_version, [(listed[0], index)])
-    saved = listed.with_shard_indexes(old)
+    saved = listed.keeping(SLOT, old.kept())
     with pytest.raises(ShardError, match=rf"truncated: .*'00041.bin'.*{re.escape(root)}/a\.tar"):
-        RemoteDataset(saved, shards="tar", storage_options=options)
+        RemoteDataset(Tar(saved), storage_options=options)

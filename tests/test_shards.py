@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,13 +31,16 @@ from fastload import (
     Manifest,
     ObjectChangedError,
     ObjectNotFoundError,
+    Parquet,
     RemoteDataset,
     ShardError,
+    Source,
+    Tar,
 )
 from fastload.sampler import PermutationSampler, block_locality
 from fastload.sources._chunks import _in_memory
+from fastload.sources.registry import source_named
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, Faults, S3Server
-from fastload.warm import tar_shard_groups
 from tests.conftest import BUCKET, assert_identities, write
 
 SHARDS, PER_SHARD = 4, 25
@@ -96,7 +100,7 @@ def test_tar_shards_read_in_place_one_read_per_chunk(
     tar_dataset(root, options)
     chunks = ChunkConfig(chunk_bytes=150_000)  # a few chunks per shard
     dataset = RemoteDataset(
-        f"{root}/train", shards="tar", decode=DECODE, chunks=chunks, storage_options=options
+        Tar(f"{root}/train", chunks=chunks), decode=DECODE, storage_options=options
     )
     assert len(dataset) == SHARDS * PER_SHARD
     assert dataset.blocks is not None and 2 * SHARDS <= len(dataset.blocks) < len(dataset)
@@ -115,8 +119,8 @@ def test_tar_shards_read_in_place_one_read_per_chunk(
     assert dataset.fetcher.counters.requests - before == unseeded  # one read a chunk, at most
 
     cache = Cache(tmp_path / "c", format="npy")
-    first = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
-    again = RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+    first = RemoteDataset(Tar(f"{root}/train"), cache=cache, storage_options=options)
+    again = RemoteDataset(Tar(f"{root}/train"), cache=cache, storage_options=options)
     assert first.fetcher.counters.requests >= SHARDS  # the headers were read once ...
     assert again.fetcher.counters.requests == 0  # ... and the index came from the cache
     assert again[5]["cls"] == b"2"
@@ -133,7 +137,7 @@ def test_a_webdataset_brace_url_reads_the_shards_it_names(
     tar_dataset(root, options)
     url = f"{root}/train/shard-{{000..002}}.tar"
     cache = Cache(tmp_path / "c", format="npy")
-    dataset = RemoteDataset(url, shards="tar", decode=DECODE, cache=cache, storage_options=options)
+    dataset = RemoteDataset(Tar(url), decode=DECODE, cache=cache, storage_options=options)
     assert len(dataset) == 3 * PER_SHARD
     assert dataset.manifest.root == f"{root}/train"
     assert dataset.manifest.keys() == [f"shard-{s:03d}.tar" for s in range(3)]
@@ -141,7 +145,7 @@ def test_a_webdataset_brace_url_reads_the_shards_it_names(
     seen = [item["meta.json"]["n"] for batch in loader for item in batch]
     assert sorted(seen) == list(range(3 * PER_SHARD))
 
-    again = RemoteDataset(url, shards="tar", cache=cache, storage_options=options)
+    again = RemoteDataset(Tar(url), cache=cache, storage_options=options)
     assert again.fetcher.counters.requests == 0  # the saved listing and indexes
     assert again.listing_check is not None
     assert not again.listing_check.result(timeout=60).any  # listed with the pattern again
@@ -149,7 +153,7 @@ def test_a_webdataset_brace_url_reads_the_shards_it_names(
     assert dataset.manifest.refresh(storage_options=options).any is False
 
     with pytest.raises(ObjectNotFoundError, match="2 of the 6") as caught:
-        RemoteDataset(f"{root}/train/shard-{{000..005}}.tar", shards="tar", storage_options=options)
+        RemoteDataset(Tar(f"{root}/train/shard-{{000..005}}.tar"), storage_options=options)
     assert "train/shard-004.tar" in str(caught.value) and "shard-003" not in str(caught.value)
 
 
@@ -165,10 +169,10 @@ def test_indexing_says_what_it_reads_and_a_start_with_the_index_says_nothing(
     monkeypatch.setattr("fastload.sources._shards._EVERY", 0.0)  # a progress line a shard
     cache = Cache(tmp_path / "c")
     with caplog.at_level(logging.INFO, logger="fastload.sources._shards"):
-        RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+        RemoteDataset(Tar(f"{root}/train"), cache=cache, storage_options=options)
         said = [r.getMessage() for r in caplog.records]
         caplog.clear()
-        RemoteDataset(f"{root}/train", shards="tar", cache=cache, storage_options=options)
+        RemoteDataset(Tar(f"{root}/train"), cache=cache, storage_options=options)
         again = [r.getMessage() for r in caplog.records if "indexe" in r.getMessage()]
     what = f"{SHARDS} tar shards under {root}/train"
     assert sum(line.startswith(f"indexing {what}: a shard of small") for line in said) == 1
@@ -178,7 +182,7 @@ def test_indexing_says_what_it_reads_and_a_start_with_the_index_says_nothing(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     chunks = ChunkConfig(memory_bytes=100_000)  # less than the shards: their reads read again
     with caplog.at_level(logging.INFO, logger="fastload.sources._shards"):
-        RemoteDataset(f"{root}/train", shards="tar", chunks=chunks, storage_options=options)
+        RemoteDataset(Tar(f"{root}/train", chunks=chunks), storage_options=options)
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned.startswith(f"indexing {what} read 0.00 GB, more than the chunk memory")
 
@@ -190,8 +194,7 @@ def test_tar_shards_through_workers_and_resume_mid_epoch(seaweed: S3Server) -> N
 
     def loader(workers: int) -> fastload.DataLoader:
         dataset = RemoteDataset(
-            f"{root}/train",
-            shards="tar",
+            Tar(f"{root}/train"),
             decode={"npy": fastload.transforms.decode_npy, "*": bytes.decode},
             storage_options=options,
         )
@@ -232,7 +235,7 @@ def npy_images(root: str, options: dict[str, Any], **kwargs: Any) -> RemoteDatas
     """The tar dataset's images alone, in a few chunks per shard."""
     chunks = ChunkConfig(chunk_bytes=150_000)
     return RemoteDataset(
-        f"{root}/train", shards="tar", decode=DECODE, transform=npy_member, chunks=chunks,
+        Tar(f"{root}/train", chunks=chunks), decode=DECODE, transform=npy_member,
         storage_options=options, **kwargs,
     )  # fmt: skip
 
@@ -282,9 +285,9 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     objects = {"a.tar": good, "b.tar": tar_shard(10, 10)[:30_000]}  # b is cut mid-member
     write(root, options, objects)
     with pytest.raises(ShardError, match=r"truncated: member '.*' ends at byte \d+.*b\.tar"):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
     with caplog.at_level(logging.WARNING):
-        dataset = RemoteDataset(root, shards="tar", on_error="skip", storage_options=options)
+        dataset = RemoteDataset(Tar(root), on_error="skip", storage_options=options)
     assert len(dataset) == 10 and "b.tar" in caplog.text
     (left_out,) = dataset.stats()["dataset"]["left_out"]  # named where a script can see it too
     assert "b.tar" in left_out and "truncated" in left_out
@@ -296,7 +299,7 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         tar.addfile(info, io.BytesIO(b"MIT"))
     write(root, options, {"b.tar": no_ext.getvalue()})
     with pytest.raises(ShardError, match=r"member 'LICENSE' has no basename.extension.*b\.tar"):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
 
     apart = io.BytesIO()  # a sample whose members are not adjacent would be two samples
     with tarfile.open(fileobj=apart, mode="w") as tar:
@@ -306,7 +309,7 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
             tar.addfile(info, io.BytesIO(b"x"))
     write(root, options, {"b.tar": apart.getvalue()})
     with pytest.raises(ShardError, match=r"sample 'a' comes twice .*b\.tar"):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
 
     sparse = io.BytesIO()  # GNU tar -S: the member's bytes in the shard are not the file's
     with tarfile.open(fileobj=sparse, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -315,7 +318,7 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
         tar.addfile(info, io.BytesIO(b"xyz"))
     write(root, options, {"b.tar": sparse.getvalue()})
     with pytest.raises(ShardError, match=r"'a\.bin' is a sparse file.*b\.tar"):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
 
     linked = io.BytesIO()  # tar stores a second name of one file (a hard link) as a link
     with tarfile.open(fileobj=linked, mode="w") as tar:
@@ -327,11 +330,12 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
             tar.addfile(info, io.BytesIO(b"x") if kind == tarfile.REGTYPE else None)
     write(root, options, {"b.tar": linked.getvalue()})
     with pytest.raises(ShardError, match=r"sample 'b': member 'b\.jpg' is a link.*b\.tar"):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        dataset = RemoteDataset(  # a.jpg alone is unlike a.tar's samples: accepted here
-            root, shards="tar", on_error="skip", incomplete="accept", storage_options=options
+        # a.jpg alone is unlike a.tar's samples: accepted here
+        dataset = RemoteDataset(
+            Tar(root, incomplete="accept"), on_error="skip", storage_options=options
         )
     assert len(dataset) == 11  # a.tar's 10 and b.tar's a; b and c left out, and named
     assert "'b.jpg' is a link" in caplog.text and "'c.jpg' is a link" in caplog.text
@@ -346,15 +350,15 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with pytest.raises(
         ShardError, match=r"sample 'b' has two members named alike: \['jpg', 'jpg'\]"
     ):
-        RemoteDataset(root, shards="tar", storage_options=options)
+        RemoteDataset(Tar(root), storage_options=options)
     dataset = RemoteDataset(
-        root, shards="tar", on_error="skip", incomplete="accept", storage_options=options
+        Tar(root, incomplete="accept"), on_error="skip", storage_options=options
     )
     assert dataset[10] == {"jpg": b"x", "cls": b"x"}
 
     write(root, options, {"b.tar": tar_shard(10, 10)})
     no_room = ChunkConfig(memory_bytes=1000)  # nothing kept from indexing: reads go to the store
-    dataset = RemoteDataset(root, shards="tar", chunks=no_room, storage_options=options)
+    dataset = RemoteDataset(Tar(root, chunks=no_room), storage_options=options)
     shifted = tar_shard(0, 10)  # same size, other content: the members moved by one sample
     shifted = shifted[:512] + tar_shard(1, 10)[512 : len(good)]
     write(root, options, {"a.tar": shifted[: len(good)]})
@@ -362,7 +366,7 @@ def test_bad_tar_shards_are_named(b2: B2Server, caplog: pytest.LogCaptureFixture
     with pytest.raises(ObjectChangedError, match=r"'class.0/img-00003'.*a\.tar.*changed since"):
         dataset[3]
     with pytest.raises(ConfigError, match=r"no parquet shards .*keys look like .*a\.tar"):
-        RemoteDataset(root, shards="parquet", storage_options=options)
+        RemoteDataset(Parquet(root), storage_options=options)
 
 
 def test_an_incomplete_tar_sample_is_named_as_for_groups(
@@ -396,8 +400,8 @@ def test_an_incomplete_tar_sample_is_named_as_for_groups(
                 tar.addfile(info, io.BytesIO(data))
     write(root, options, {"shard-000.tar": whole.getvalue(), "shard-001.tar": cut.getvalue()})
 
-    def made(**kwargs: Any) -> RemoteDataset:
-        return RemoteDataset(root, shards="tar", storage_options=options, **kwargs)
+    def made(**tar_options: Any) -> RemoteDataset:
+        return RemoteDataset(Tar(root, **tar_options), storage_options=options)
 
     with pytest.raises(ConfigError, match=r"2 of 25 tar samples under .* are incomplete") as err:
         made()
@@ -445,11 +449,9 @@ def test_compressed_tar_shards_are_refused_not_left_out(
     }
     write(root, options, objects)
     with pytest.raises(ShardError, match=r"compressed tar shard \(and 1 more.*gunzip.*\.tar\.gz"):
-        RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+        RemoteDataset(Tar(f"{root}/train"), storage_options=options)
     with caplog.at_level(logging.WARNING):
-        dataset = RemoteDataset(
-            f"{root}/train", shards="tar", on_error="skip", storage_options=options
-        )
+        dataset = RemoteDataset(Tar(f"{root}/train"), on_error="skip", storage_options=options)
     assert len(dataset) == 10 and "shard-002.tar.gz" in caplog.text
     assert dataset[7]["cls"] == str(7 % 3).encode()
 
@@ -478,7 +480,7 @@ def test_macos_and_webdataset_metadata_members_are_not_samples(
             tar.addfile(info, io.BytesIO(body))
     write(root, options, {"train/shard-000.tar": packed.getvalue()})
     with caplog.at_level(logging.INFO, logger="fastload"):
-        dataset = RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+        dataset = RemoteDataset(Tar(f"{root}/train"), storage_options=options)
     assert len(dataset) == 4
     assert dataset.source[2].url.endswith("shard-000.tar#./n01/000002")
     assert dataset[2]["cls"] == b"2"
@@ -494,7 +496,7 @@ def test_macos_and_webdataset_metadata_members_are_not_samples(
             tar.addfile(info, io.BytesIO(b"MIT"))
     write(root, options, {"train/shard-001.tar": stray.getvalue()})
     with pytest.raises(ShardError, match=r"member 'LICENSE' has no basename.extension"):
-        RemoteDataset(f"{root}/train", shards="tar", storage_options=options)
+        RemoteDataset(Tar(f"{root}/train"), storage_options=options)
 
 
 def test_a_fixed_reader_makes_cached_samples_again(
@@ -510,9 +512,7 @@ def test_a_fixed_reader_makes_cached_samples_again(
     def read_one() -> tuple[int, int]:
         """Cache hits and writes of a new dataset reading sample 3 (its shard's index, then it)."""
         hits, writes = cache.counters.hits, cache.counters.writes
-        dataset = RemoteDataset(
-            root, shards="tar", decode=DECODE, cache=cache, storage_options=options
-        )
+        dataset = RemoteDataset(Tar(root), decode=DECODE, cache=cache, storage_options=options)
         assert dataset[3]["meta.json"] == {"n": 3}
         return cache.counters.hits - hits, cache.counters.writes - writes
 
@@ -548,7 +548,7 @@ def batches(
 def test_parquet_rows_one_read_per_row_group(store: tuple[str, dict[str, Any]]) -> None:
     root, options = store
     write(root, options, batches(events, 3, 500, 200))
-    dataset = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
+    dataset = RemoteDataset(Parquet(f"{root}/events"), storage_options=options)
     assert len(dataset) == 1500 and dataset.blocks is not None and len(dataset.blocks) == 9
     row = dataset[1234]
     assert int(row["event_id"]) == 1234 and row["name"] == "ev1234"
@@ -590,14 +590,10 @@ def test_parquet_columns_read_only_those_columns(seaweed: S3Server, tmp_path: Pa
         options,
         {f"laion/part-{p}.parquet": parquet(table, row_group_size=40) for p in range(2)},
     )
-    whole = RemoteDataset(f"{root}/laion", shards="parquet", storage_options=options)
+    whole = RemoteDataset(Parquet(f"{root}/laion"), storage_options=options)
     cache = Cache(tmp_path / "c")
     picked = RemoteDataset(
-        f"{root}/laion",
-        shards="parquet",
-        columns=["id", "label"],
-        cache=cache,
-        storage_options=options,
+        Parquet(f"{root}/laion", columns=["id", "label"]), cache=cache, storage_options=options
     )
     for dataset in (whole, picked):
         before = dataset.fetcher.counters.bytes
@@ -611,42 +607,35 @@ def test_parquet_columns_read_only_those_columns(seaweed: S3Server, tmp_path: Pa
     assert set(rows[0]) == {"id", "label"}  # the last loop's rows: picked's
     assert rows[121]["id"] == 2**60 + 1 and rows[121]["label"] == 1 and rows[7]["label"] is None
     assert picked.read_bytes < whole.read_bytes / 20  # type: ignore[attr-defined]
+    # through workers: they share the chunks of two ranges in their scratch cache
     apart = RemoteDataset(
-        f"{root}/laion", shards="parquet", columns=["label", "id"], storage_options=options
-    )  # through workers: they share the chunks of two ranges in their scratch cache
+        Parquet(f"{root}/laion", columns=["label", "id"]), storage_options=options
+    )
     loader = fastload.DataLoader(apart, batch_size=40, num_workers=2, collate_fn=list)
     ids = sorted(int(r["id"]) - 2**60 for batch in loader for r in batch)
     assert ids == sorted(list(range(n)) * 2)
     assert whole[3]["box"] == {"x": 3, "y": -3}
 
-    more = RemoteDataset(  # other columns: not the rows cached for ["id", "label"]
-        f"{root}/laion",
-        shards="parquet",
-        columns=["label", "box"],
-        cache=cache,
-        storage_options=options,
+    # other columns: not the rows cached for ["id", "label"]
+    more = RemoteDataset(
+        Parquet(f"{root}/laion", columns=["label", "box"]), cache=cache, storage_options=options
     )
-    same = RemoteDataset(  # the columns cached: its rows come from the cache
-        f"{root}/laion",
-        shards="parquet",
-        columns=["id", "label"],
-        cache=cache,
-        storage_options=options,
+    # the columns cached: its rows come from the cache
+    same = RemoteDataset(
+        Parquet(f"{root}/laion", columns=["id", "label"]), cache=cache, storage_options=options
     )
     hits = cache.counters.hits
     assert set(more[5]) == {"label", "box"} and cache.counters.hits == hits
     assert set(same[5]) == {"id", "label"} and cache.counters.hits == hits + 1
 
     with pytest.raises(ShardError, match=r"no column 'caption' to read .*'image'.*part-0"):
-        RemoteDataset(
-            f"{root}/laion", shards="parquet", columns=["id", "caption"], storage_options=options
-        )
+        RemoteDataset(Parquet(f"{root}/laion", columns=["id", "caption"]), storage_options=options)
     with pytest.raises(ConfigError, match="columns names a column twice"):
-        RemoteDataset(
-            f"{root}/laion", shards="parquet", columns=["id", "id"], storage_options=options
-        )
-    with pytest.raises(ConfigError, match="need shards='parquet'"):
-        RemoteDataset(f"{root}/laion", columns=["id"], storage_options=options)
+        RemoteDataset(Parquet(f"{root}/laion", columns=["id", "id"]), storage_options=options)
+    with pytest.raises(
+        ConfigError, match=r"objects source does not take columns \(columns applies to .*parquet"
+    ):
+        source_named("objects", f"{root}/laion", columns=["id"])
 
 
 def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
@@ -655,11 +644,11 @@ def test_bad_parquet_is_named(gcs: FakeGcsServer) -> None:
     body = parquet(events(0, 100))
     write(root, options, {"a.parquet": body, "b.parquet": body[:-20] + b"\0" * 16 + b"PAR1"})
     with pytest.raises(ShardError, match=r"b\.parquet"):
-        RemoteDataset(root, shards="parquet", storage_options=options)
+        RemoteDataset(Parquet(root), storage_options=options)
     write(root, options, {"b.parquet": b"PK\x03\x04 a zip, not parquet"})
     with pytest.raises(ShardError, match=r"not parquet.*b\.parquet"):
-        RemoteDataset(root, shards="parquet", storage_options=options)
-    dataset = RemoteDataset(root, shards="parquet", on_error="skip", storage_options=options)
+        RemoteDataset(Parquet(root), storage_options=options)
+    dataset = RemoteDataset(Parquet(root), on_error="skip", storage_options=options)
     assert len(dataset) == 100
 
 
@@ -695,21 +684,21 @@ def test_parquet_files_whose_columns_differ_are_named_not_mixed(
         "2025/part-9.parquet": parquet(pa.table({"event_id": pa.array([], "null")})),  # empty
     }
     write(root, options, files)
-    alike = RemoteDataset(root, shards="parquet", storage_options=options)
+    alike = RemoteDataset(Parquet(root), storage_options=options)
     assert [alike[i]["name"] for i in range(len(alike))] == [f"ev{i}" for i in range(16)]
 
     later = table(16).append_column("energy", pa.array([1.5] * 4, pa.float32()))
     write(root, options, {"2025/part-4.parquet": parquet(later)})
     with pytest.raises(ShardError, match=r"a column 'energy' they lack.*part-4\.parquet"):
-        RemoteDataset(root, shards="parquet", storage_options=options)
-    shared = RemoteDataset(root, shards="parquet", columns=["event_id"], storage_options=options)
+        RemoteDataset(Parquet(root), storage_options=options)
+    shared = RemoteDataset(Parquet(root, columns=["event_id"]), storage_options=options)
     assert sorted(int(shared[i]["event_id"]) for i in range(len(shared))) == list(range(20))
 
     write(root, options, {"2025/part-5.parquet": parquet(table(20, ids="int32"))})
     with pytest.raises(ShardError, match=r"'event_id' is int32 here, int64 there.*part-5"):
-        RemoteDataset(root, shards="parquet", columns=["event_id"], storage_options=options)
+        RemoteDataset(Parquet(root, columns=["event_id"]), storage_options=options)
     with caplog.at_level(logging.WARNING, logger="fastload"):
-        skipped = RemoteDataset(root, shards="parquet", on_error="skip", storage_options=options)
+        skipped = RemoteDataset(Parquet(root), on_error="skip", storage_options=options)
     assert "part-4.parquet" in caplog.text and "part-5.parquet" in caplog.text
     left_out = skipped.stats()["dataset"]["left_out"]
     assert [("part-4" in why, "part-5" in why) for why in left_out] == [
@@ -745,7 +734,7 @@ def training_reads_only(cache: Path, root: str, options: dict[str, Any]) -> None
     """A training dataset over ``root/train`` with the warmed ``cache`` reads every sample
     once, and all of it (the index and every sample) from the cache."""
     dataset = RemoteDataset(
-        f"{root}/train", shards="tar", cache=Cache(cache, format="npy"), storage_options=options
+        Tar(f"{root}/train"), cache=Cache(cache, format="npy"), storage_options=options
     )
     loader = fastload.DataLoader(dataset, batch_size=7, collate_fn=list)
     seen = [json.loads(item["meta.json"])["n"] for batch in loader for item in batch]
@@ -782,7 +771,15 @@ def test_warm_cache_cli_splits_tar_shards_by_shard_then_training_reads_only_the_
     three = cli(*args, "--cache-dir", str(tmp_path / "three"), "--shard", "2/3")
     assert json.loads(three.stdout)["samples"] == PER_SHARD  # every third shard from 2: one
     bad = cli("warm-cache", root, "--cache-dir", str(tmp_path / "d"), "--shards", "zip")
-    assert bad.returncode != 0 and "--shards must be tar or parquet" in bad.stderr
+    said = "--shards must be one of parquet, tar, zarr, got 'zip'"
+    assert bad.returncode != 0 and said in bad.stderr
+    # an option the named source does not take is refused, naming the source that takes it
+    foreign = cli(*args, "--cache-dir", str(tmp_path / "e"), "--row-key", "event_id")
+    assert foreign.returncode != 0
+    said = r"the tar source does not take row_key \(row_key applies to .*parquet"
+    assert re.search(said, foreign.stderr), foreign.stderr
+    both = cli(*args, "--cache-dir", str(tmp_path / "e"), "--group-by", r"(.*)\.tar$")
+    assert both.returncode != 0 and "--group-by groups objects; --shards reads" in both.stderr
 
 
 def test_warm_cache_cli_reads_a_tar_dataset_larger_than_chunk_memory_once(
@@ -856,23 +853,24 @@ def test_bench_diagnose_reads_tar_and_parquet_shards(seaweed: S3Server, tmp_path
         assert result["bound"] == "compute", result
         assert result["loader_samples_per_s"] == pytest.approx(8 * result["loader_batches_per_s"])
     wrong = cli("bench", "--diagnose", f"{root}/train", *args, "--shards", "zip")
-    assert wrong.returncode == 2 and "--shards must be tar or parquet" in wrong.stderr
+    said = "--shards must be one of parquet, tar, zarr, got 'zip'"
+    assert wrong.returncode == 2 and said in wrong.stderr
 
 
-def test_tar_shard_groups_keep_each_shard_whole_in_memory_and_a_short_last_shard_in_company() -> (
+def test_tar_warm_rounds_keep_each_shard_whole_in_memory_and_a_short_last_shard_in_company() -> (
     None
 ):
     sizes = {"README.md": 5, "old.tar.gz": 3, **{f"s{i:02d}.tar": 10 for i in range(6)}}
     sizes["s06.tar"] = 1
     keys = sorted(sizes)
     listing = Manifest("file:///data", keys, [sizes[k] for k in keys], ["v"] * len(keys))
-    groups = [g.keys() for g in tar_shard_groups(listing, 30)]
+    groups = [g.keys() for g in Tar(listing).warm_rounds(listing, 30)]
     assert groups == [
         ["README.md", "old.tar.gz", "s00.tar"],  # what is not a tar shard: the first group
         ["s01.tar", "s02.tar", "s03.tar"],  # 3 x 10 bytes: each shard its share of 30, whole
         ["s04.tar", "s05.tar", "s06.tar"],  # the last shard (1 byte) is not a group alone
     ]
-    assert [g.keys() for g in tar_shard_groups(listing, 10**9)] == [keys]
+    assert [g.keys() for g in Tar(listing).warm_rounds(listing, 10**9)] == [keys]
 
 
 def pulses(first: int, count: int) -> pa.Table:
@@ -893,7 +891,7 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
     root = f"b2://{BUCKET}/pulses-{uuid.uuid4().hex[:8]}"
     options = b2.storage_options()
     write(root, options, batches(pulses, 2, 100, 64, folder=""))  # events span row groups
-    dataset = RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
+    dataset = RemoteDataset(Parquet(root, row_key="event_id"), storage_options=options)
     assert len(dataset) == 200
     event = dataset[150]
     assert set(event["event_id"].tolist()) == {150} and len(event["time"]) == 3 + 150 % 4
@@ -908,11 +906,13 @@ def test_parquet_runs_of_a_key_column_are_samples(b2: B2Server) -> None:
     unsorted = parquet(pa.table({"event_id": [1, 1, 2, 2, 1], "time": [0.0] * 5}))
     write(root, options, {"batch_9.parquet": unsorted})  # not sorted by event_id
     with pytest.raises(ShardError, match=r"event_id=1 has rows at 0 and again at 4.*batch_9"):
-        RemoteDataset(root, shards="parquet", row_key="event_id", storage_options=options)
+        RemoteDataset(Parquet(root, row_key="event_id"), storage_options=options)
     with pytest.raises(ShardError, match=r"row_key 'evt' is not a column .*'event_id'"):
-        RemoteDataset(root, shards="parquet", row_key="evt", storage_options=options)
-    with pytest.raises(ConfigError, match="need shards='parquet'"):
-        RemoteDataset(root, shards="tar", row_key="event_id", storage_options=options)
+        RemoteDataset(Parquet(root, row_key="evt"), storage_options=options)
+    with pytest.raises(
+        ConfigError, match=r"tar source does not take row_key \(row_key applies to .*parquet"
+    ):
+        source_named("tar", root, row_key="event_id")
 
 
 def test_a_run_cut_between_two_files_is_an_error_not_two_half_samples(
@@ -936,17 +936,11 @@ def test_a_run_cut_between_two_files_is_an_error_not_two_half_samples(
     assert cut, "the writer cut no event: the test proves nothing"
     first_cut = f"event_id={cut[0]} ends {root}/events/{files[0].name} and starts"
     with pytest.raises(ShardError, match=first_cut):
-        RemoteDataset(
-            f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
-        )
+        RemoteDataset(Parquet(f"{root}/events", row_key="event_id"), storage_options=options)
 
     with caplog.at_level(logging.WARNING, logger="fastload"):
         dataset = RemoteDataset(
-            f"{root}/events",
-            shards="parquet",
-            row_key="event_id",
-            on_error="skip",
-            storage_options=options,
+            Parquet(f"{root}/events", row_key="event_id"), on_error="skip", storage_options=options
         )
     assert first_cut in caplog.text
     whole = [e for e in range(60) if e not in cut]
@@ -970,20 +964,14 @@ def test_a_run_cut_between_two_files_is_an_error_not_two_half_samples(
         {"small/a.parquet": parquet(head), "small/b.parquet": parquet(tail, row_group_size=1)},
     )
     small = RemoteDataset(
-        f"{root}/small",
-        shards="parquet",
-        row_key="event_id",
-        on_error="skip",
-        storage_options=options,
+        Parquet(f"{root}/small", row_key="event_id"), on_error="skip", storage_options=options
     )
     assert [list(small[i]["t"]) for i in range(len(small))] == [[0.0, 1.0], [5.0, 6.0]]
     assert len(list(fastload.DataLoader(small, batch_size=1, shuffle=True, collate_fn=list))) == 2
 
     # event numbers that restart in each file are other events, not cut ones
     write(root, options, {f"runs/run{r}.parquet": parquet(pulses(0, 5)) for r in range(3)})
-    runs = RemoteDataset(
-        f"{root}/runs", shards="parquet", row_key="event_id", storage_options=options
-    )
+    runs = RemoteDataset(Parquet(f"{root}/runs", row_key="event_id"), storage_options=options)
     assert [int(runs[i]["event_id"][0]) for i in range(len(runs))] == [0, 1, 2, 3, 4] * 3
 
 
@@ -1007,9 +995,10 @@ def test_warm_cache_cli_caches_parquet_runs_as_training_names_them(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["samples"] == 100
     events = RemoteDataset(
-        f"{root}/events", shards="parquet", row_key="event_id", cache=Cache(cache_dir),
+        Parquet(f"{root}/events", row_key="event_id"),
+        cache=Cache(cache_dir),
         storage_options=options,
-    )  # fmt: skip
+    )
     assert sorted(int(events[i]["event_id"][0]) for i in range(len(events))) == list(range(100))
     assert events.fetcher.counters.requests == 0  # the indexes and every event: from the cache
 
@@ -1054,16 +1043,16 @@ def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
     tar_dataset(root, options)
     write(root, options, batches(pulses, 2, 50, 64))
 
-    def made(source: Any, **kwargs: Any) -> tuple[RemoteDataset, int]:
+    def made(source: Source, **kwargs: Any) -> tuple[RemoteDataset, int]:
         """A dataset (no cache) and the requests its construction sent."""
         dataset = RemoteDataset(source, storage_options=options, **kwargs)
         return dataset, dataset.fetcher.counters.requests
 
-    first, indexing = made(f"{root}/train", shards="tar", decode=DECODE)
+    first, indexing = made(Tar(f"{root}/train"), decode=DECODE)
     assert indexing >= SHARDS
     first.manifest.save(tmp_path / "train.npz")
     # another host: the saved manifest, no cache, no shard read to index it
-    other, requests = made(Manifest.load(tmp_path / "train.npz"), shards="tar", decode=DECODE)
+    other, requests = made(Tar(Manifest.load(tmp_path / "train.npz")), decode=DECODE)
     assert requests == 0 and len(other) == len(first) == SHARDS * PER_SHARD
     assert np.array_equal(other.blocks, first.blocks)  # type: ignore[arg-type]
     for i in (0, 37, 99):
@@ -1071,27 +1060,24 @@ def test_a_saved_manifest_carries_the_shard_indexes_to_another_host(
 
     # with manifest_path, the listing is saved with the indexes: a restart reads no shard
     kept = tmp_path / "kept.npz"
-    assert made(f"{root}/train", shards="tar", manifest_path=kept)[1] >= SHARDS
-    assert made(f"{root}/train", shards="tar", manifest_path=kept)[1] == 0
+    assert made(Tar(f"{root}/train", manifest_path=kept))[1] >= SHARDS
+    assert made(Tar(f"{root}/train", manifest_path=kept))[1] == 0
 
     # a shard rewritten since: only it is indexed again, and its new samples are read
     write(root, options, {"train/shard-001.tar": tar_shard(500, PER_SHARD)})
     listed = Manifest.build(f"{root}/train", storage_options=options)
-    saved = Manifest.load(tmp_path / "train.npz").shard_indexes
-    assert saved is not None
-    again, requests = made(listed.with_shard_indexes(saved), shards="tar", decode=DECODE)
+    saved = Manifest.load(tmp_path / "train.npz").kept["shards"]
+    again, requests = made(Tar(listed.keeping("shards", saved)), decode=DECODE)
     assert 0 < requests < indexing
     assert again[PER_SHARD]["meta.json"] == {"n": 500} and again[0]["meta.json"] == {"n": 0}
 
     # parquet runs: indexes of runs of event_id serve only runs of event_id
-    runs, requests = made(f"{root}/events", shards="parquet", row_key="event_id")
+    runs, requests = made(Parquet(f"{root}/events", row_key="event_id"))
     runs.manifest.save(tmp_path / "events.npz")
-    again, requests = made(
-        Manifest.load(tmp_path / "events.npz"), shards="parquet", row_key="event_id"
-    )
+    again, requests = made(Parquet(Manifest.load(tmp_path / "events.npz"), row_key="event_id"))
     assert requests == 0 and len(again) == 100
     assert set(again[70]["event_id"].tolist()) == {70}
-    rows, requests = made(Manifest.load(tmp_path / "events.npz"), shards="parquet")
+    rows, requests = made(Parquet(Manifest.load(tmp_path / "events.npz")))
     assert requests > 0 and len(rows) == sum(3 + e % 4 for e in range(100))
 
 
@@ -1100,15 +1086,16 @@ def test_ranks_read_each_chunk_once_between_them(seaweed: S3Server, tmp_path: Pa
     options = seaweed.storage_options()
     tar_dataset(root, options)
     chunks = ChunkConfig(chunk_bytes=150_000)  # a few chunks per shard
-    made = RemoteDataset(f"{root}/train", shards="tar", chunks=chunks, storage_options=options)
+    made = RemoteDataset(Tar(f"{root}/train", chunks=chunks), storage_options=options)
     made.manifest.save(tmp_path / "m.npz")  # the ranks index nothing: every read is a chunk
     assert made.blocks is not None
     world, seen, reads = 2, [], 0
     for rank in range(world):
         dataset = RemoteDataset(
-            Manifest.load(tmp_path / "m.npz"), shards="tar", decode=DECODE, chunks=chunks,
+            Tar(Manifest.load(tmp_path / "m.npz"), chunks=chunks),
+            decode=DECODE,
             storage_options=options,
-        )  # fmt: skip
+        )
         sampler = PermutationSampler(
             len(dataset), blocks=dataset.blocks, rank=rank, world_size=world, window=2
         )
@@ -1148,8 +1135,9 @@ def test_indexing_hops_over_large_members_and_reads_small_ones_in_stride(
         ("medium", 1, len(medium.getvalue()), 40),
     ):
         dataset = RemoteDataset(
-            fastload.Manifest.build(root, storage_options=options).filter(pattern=f"{name}.tar"),
-            shards="tar",
+            Tar(
+                fastload.Manifest.build(root, storage_options=options).filter(pattern=f"{name}.tar")
+            ),
             storage_options=options,
         )
         stats = dataset.fetcher.counters
@@ -1163,17 +1151,16 @@ def test_a_cold_epoch_over_small_members_reads_each_byte_once(seaweed: S3Server)
     options = seaweed.storage_options()
     objects = tar_dataset(root, options)
     shard_bytes = sum(len(body) for key, body in objects.items() if key.endswith(".tar"))
-    dataset = RemoteDataset(f"{root}/train", shards="tar", decode=DECODE, storage_options=options)
+    dataset = RemoteDataset(Tar(f"{root}/train"), decode=DECODE, storage_options=options)
     loader = fastload.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=list)
     seen = sorted(item["meta.json"]["n"] for batch in loader for item in batch)
     assert seen == list(range(len(dataset)))
     assert dataset.source.reader.seeded == len(dataset.blocks)  # type: ignore[attr-defined]
     assert dataset.fetcher.counters.bytes <= shard_bytes * 1.05  # not twice
-    tight = RemoteDataset(  # no memory to spare: indexing keeps nothing, chunks are read
-        f"{root}/train",
-        shards="tar",
+    # no memory to spare: indexing keeps nothing, chunks are read
+    tight = RemoteDataset(
+        Tar(f"{root}/train", chunks=ChunkConfig(memory_bytes=1000)),
         decode=DECODE,
-        chunks=ChunkConfig(memory_bytes=1000),
         storage_options=options,
     )
     assert tight.source.reader.seeded == 0  # type: ignore[attr-defined]
@@ -1194,7 +1181,7 @@ def test_an_order_that_reads_a_chunk_per_sample_is_named_once(
 
     def made() -> RemoteDataset:
         return RemoteDataset(
-            f"{root}/train", shards="tar", decode=DECODE, chunks=small, storage_options=options
+            Tar(f"{root}/train", chunks=small), decode=DECODE, storage_options=options
         )
 
     aware = made()
@@ -1237,7 +1224,7 @@ def test_a_rewritten_shard_on_a_store_that_names_no_version_fails_its_header_che
     good = tar_shard(0, 10)
     write(root, {}, {"a.tar": good})
     no_room = ChunkConfig(memory_bytes=1000)  # nothing kept from indexing: reads go to the store
-    dataset = RemoteDataset(root, shards="tar", chunks=no_room)
+    dataset = RemoteDataset(Tar(root, chunks=no_room))
     write(root, {}, {"a.tar": good[:512] + tar_shard(1, 10)[512 : len(good)]})
     with pytest.raises(ShardError, match=r"'class.0/img-00003'.*a\.tar.*changed since it"):
         dataset[3]
@@ -1281,8 +1268,8 @@ def test_a_scratch_cache_left_by_a_killed_process_is_removed_by_the_next(tmp_pat
     (shards / "a.tar").write_bytes(tar_shard(0, 3))
     script = (
         "import sys, time\n"
-        "from fastload import RemoteDataset\n"
-        f"dataset = RemoteDataset('file://{shards}', shards='tar')\n"
+        "from fastload import RemoteDataset, Tar\n"
+        f"dataset = RemoteDataset(Tar('file://{shards}'))\n"
         "print(dataset.source.reader.shared.root.parent, flush=True)\n"
         "time.sleep(120)\n"
     )
@@ -1294,7 +1281,7 @@ def test_a_scratch_cache_left_by_a_killed_process_is_removed_by_the_next(tmp_pat
         killed.terminate()
         killed.wait(timeout=30)
         assert left.is_dir() and kept.is_dir()  # SIGTERM: no clean-up ran
-        dataset = RemoteDataset(f"file://{shards}", shards="tar")
+        dataset = RemoteDataset(Tar(f"file://{shards}"))
         assert not left.exists() and kept.is_dir()
         assert dataset.source.reader.shared.root.is_dir()  # type: ignore[attr-defined]
     finally:
@@ -1329,7 +1316,7 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
     )
     write(root, options, {"events/part-0.parquet": parquet(table)})
 
-    rows = RemoteDataset(f"{root}/events", shards="parquet", storage_options=options)
+    rows = RemoteDataset(Parquet(f"{root}/events"), storage_options=options)
     got = [rows[i] for i in range(len(rows))]
     assert [r["hit_id"] for r in got] == [big, None, big + 2, big + 3, None, big + 5]
     assert all(isinstance(r["hit_id"], np.int64) for r in got if r["hit_id"] is not None)
@@ -1351,18 +1338,15 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
     ]
     assert [r["origin"] for r in got[:3]] == [{"run": big}, {"run": None}, None]
 
-    events = RemoteDataset(
-        f"{root}/events", shards="parquet", row_key="event_id", storage_options=options
-    )
+    events = RemoteDataset(Parquet(f"{root}/events", row_key="event_id"), storage_options=options)
     second = events[1]  # event 2: three pulses, one without a hit id
     assert list(second["hit_id"]) == [big + 2, big + 3, None]
     assert list(second["detector"]) == [None, "ecal", "hcal"]
     for _ in range(2):  # cached, then read from the cache: the same values (it refused them)
         cache = Cache(tmp_path / "c", format="npy")
         cached = RemoteDataset(
-            f"{root}/events", shards="parquet", row_key="event_id", cache=cache,
-            storage_options=options,
-        )  # fmt: skip
+            Parquet(f"{root}/events", row_key="event_id"), cache=cache, storage_options=options
+        )
         again = cached[1]
         assert list(again["hit_id"]) == [big + 2, big + 3, None]
         assert [type(v) for v in again["hit_id"]] == [np.int64, np.int64, type(None)]
@@ -1374,4 +1358,4 @@ def test_parquet_nulls_stay_nulls_and_values_stay_exact(gcs: FakeGcsServer, tmp_
     # a row with no run: it was read as another run's row
     write(root, options, {"runs/part-0.parquet": parquet(keyed)})
     with pytest.raises(ShardError, match=r"row_key 'run' is null in 1 rows.*part-0\.parquet"):
-        RemoteDataset(f"{root}/runs", shards="parquet", row_key="run", storage_options=options)
+        RemoteDataset(Parquet(f"{root}/runs", row_key="run"), storage_options=options)

@@ -30,6 +30,9 @@ from fastload.manifest import Entry, Manifest, ManifestChanges
 from fastload.ranks import this_rank_only
 from fastload.resources import shutdown
 from fastload.sampler import PermutationSampler, WeightedSampler
+from fastload.sources import Source
+from fastload.sources.labels import Labels
+from fastload.sources.registry import Groups, Objects, Parquet, Tar, Zarr
 from fastload.stall import diagnose
 from fastload.transforms import QuantileNormalize, Resize, Transform, compose, versioned
 
@@ -51,12 +54,16 @@ __all__ = [
     "FastloadError",
     "FetchConfig",
     "Fetcher",
+    "Groups",
+    "Labels",
     "Manifest",
     "ManifestChanges",
     "MissingExtraError",
     "ObjectChangedError",
     "ObjectExistsError",
     "ObjectNotFoundError",
+    "Objects",
+    "Parquet",
     "PermutationSampler",
     "QuantileNormalize",
     "RankExchangeError",
@@ -64,11 +71,14 @@ __all__ = [
     "Request",
     "Resize",
     "ShardError",
+    "Source",
     "StoreError",
+    "Tar",
     "Transform",
     "TransientStoreError",
     "UnsupportedSampleError",
     "WeightedSampler",
+    "Zarr",
     "__version__",
     "compose",
     "diagnose",

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, get_worker_info
 from fastload._handoff import Handoff
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
-from fastload.config import ChunkConfig, FetchConfig
+from fastload.config import FetchConfig
 from fastload.errors import (
     ConfigError,
     DecodeError,
@@ -38,22 +38,18 @@ from fastload.fetcher import Fetcher
 from fastload.manifest import (
     Manifest,
     ManifestChanges,
-    check_classes,
     current,
     save_listing,
     saved_or_listed,
 )
 from fastload.ranks import rank_world
 from fastload.resources import PerProcess
-from fastload.sources import Sample, SampleSource, refreshed
-from fastload.sources._shards import Shards
-from fastload.sources.groups import GroupRule, Groups, Incomplete, LabelSource, group_decoder
-from fastload.sources.parquet import ParquetShards
-from fastload.sources.single import SingleObjects
-from fastload.sources.tar import TarShards
+from fastload.sources import DecodeSpec, Opening, Sample, SampleSource, Source, refreshed
+from fastload.sources.labels import Labels, LabelSource
+from fastload.sources.registry import as_source
 from fastload.stats import CacheStats, DatasetStats, FetchStats, StageCounters
 from fastload.stores import storage_options_of
-from fastload.transforms import decoder, fingerprint, state_print, versioned
+from fastload.transforms import fingerprint, state_print
 
 __all__ = ["CachedDataset", "RemoteDataset"]
 
@@ -61,7 +57,6 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
 OnChange = Literal["raise", "skip", "refresh"]
-ShardFormat = Literal["tar", "parquet"]
 Read = Literal["read", "ahead", "filled"]
 """How a batch is read: ``read`` (the loop's batch), ``ahead`` (made by the lookahead and held
 for the read of its batch, :class:`Handoff`), ``filled`` (a worker made or found every sample
@@ -416,43 +411,35 @@ class _Batched(Dataset[Any]):
 
 
 class RemoteDataset(_Batched):
-    """The objects under a URL (or in a :class:`Manifest`), decoded, transformed and cached.
+    """The samples of a source (objects under a URL, or in a :class:`Manifest`, or a source
+    object: :class:`fastload.Groups`, :class:`fastload.Tar`, :class:`fastload.Parquet`),
+    decoded, transformed and cached.
 
-    ``dataset[i]`` is ``transform(decode(bytes))``, or ``(sample, label)`` when the manifest
+    ``dataset[i]`` is ``transform(decode(payload))``, or ``(sample, label)`` when the manifest
     has labels (or ``labels=`` joins them).
 
-    group_by: several objects make one sample (a regex whose first group names the group, or a
-        callable ``key -> group``); see :mod:`fastload.sources.groups`. ``decode`` then
-        receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
-        ``{"*.tiff": "tiff", "*.json": my_json}``); ``incomplete`` and ``members`` say what
-        to do with a group (or a tar sample) that lacks a member or has an extra one.
-    shards: ``"tar"`` or ``"parquet"``: many samples inside each object, read in place (see
-        :mod:`fastload.sources.tar` and :mod:`fastload.sources.parquet`): ``decode`` receives a
-        tar sample's ``{extension: bytes}`` (or decodes them by pattern, as for groups) or a
-        parquet row's ``{column: value}``. Chunks of shards are read whole and kept in memory
-        (``chunks``: a :class:`fastload.ChunkConfig`); :attr:`blocks` names them for
-        shard-aware shuffling. ``on_error="skip"`` also leaves out a shard that cannot be
-        indexed, naming it. ``row_key`` (parquet): each run of rows sharing a value of that
-        column is one sample (``{column: array}``), e.g. the pulses of one ``event_id``.
-        ``columns`` (parquet): read only these columns (a row holds them alone; the bytes of
-        the others are not fetched).
+    source: a URL or a :class:`Manifest` (each object is a sample: :class:`fastload.Objects`),
+        or a source object carrying where its samples are (a URL or Manifest, a key
+        ``pattern``, where the listing is saved) and the options of its shape: several
+        objects per sample (:class:`fastload.Groups`), many samples inside each object, read
+        in place (:class:`fastload.Tar`, :class:`fastload.Parquet`). See docs/shapes.md.
     decode: a decoder name (``"image"``, ``"npy"``, ...), a callable, or None: the payload as
-        read (bytes, ``{name: bytes}``, a parquet row).
+        read (bytes; ``{member: bytes}`` for groups and tar samples, which may also be decoded
+        member by member: ``decode="tiff"`` or ``{"*.tiff": "tiff", "*.json": my_json}``; a
+        parquet row's ``{column: value}``).
     transform: deterministic preprocessing, cached with the sample.
     augment: random augmentation applied after the cache on every read (never cached).
-    labels: a mapping or CSV/JSON file by key (or by group name; ``label_key`` and
-        ``label_field`` name its columns), a callable ``key -> label``, or ``"folders"``: the
-        name of the folder holding each object (or group), as in torchvision's ImageFolder.
-    classes: the class names of string labels, in code order (by default this dataset's
-        labels, sorted). Give another split's (``classes=train.classes``): a validation set
-        that lacks a class would otherwise code every class after it one lower, without a
-        word. A label not among them is an error.
     cache: a :class:`fastload.Cache`; entries are keyed by object URL (or group), version and
         the fingerprints of ``decode`` and ``transform``, so a changed object or a changed
         transform is fetched and computed again.
+    labels: each object's (or group's) label: a mapping or CSV/JSON file by key, a callable
+        ``key -> label``, ``"folders"`` (the folder holding each object, as torchvision's
+        ImageFolder), or :class:`fastload.Labels` naming a file's columns and the class
+        names (``Labels("folders", classes=train.classes)``).
     on_error: ``"raise"`` stops at the first sample that cannot be fetched or decoded;
         ``"skip"`` puts another sample of the batch in its place (batches keep their size), logs
-        its name once and lists it in :meth:`stats` (a group is skipped whole).
+        its name once and lists it in :meth:`stats` (a group is skipped whole; a shard that
+        cannot be indexed is left out, named).
     on_change: what to do with an object replaced since the manifest was listed (its bytes are
         never used under the old version): ``"raise"`` :class:`fastload.ObjectChangedError`,
         ``"skip"`` it as ``on_error="skip"`` does, or ``"refresh"``: read its current version
@@ -460,125 +447,60 @@ class RemoteDataset(_Batched):
         shards cannot be refreshed mid-epoch (their samples would move): list them again.
         Default: as ``on_error``.
     limit: use only the first ``limit`` samples (a quick debug run).
-    pattern: keep only the keys (relative to the URL) it matches, as
-        :meth:`Manifest.build`'s ``pattern`` (``"*.tar"``, ``"{train,val}/*.jpg"``); over a
-        :class:`Manifest`, as :meth:`Manifest.filter`'s.
-    manifest_path: where the listing of a URL ``source`` is saved (default: in ``cache``'s
-        folder; with neither, the URL is listed at every start). With ``reuse_listing`` (the
-        default) a saved listing is used at once and listed again in the background
-        (:attr:`listing_check`): if the store's listing changed, a warning says how and the
-        next start uses the new one; ``reuse_listing=False`` lists at start (and saves).
+    storage_options: the store's options, as fsspec's (credentials, ``endpoint_url``, ...).
+    fetch_config: timeouts, retries, requests in flight (default :meth:`FetchConfig.from_env`).
+
+    A saved listing of a URL (in ``cache``'s folder, or the source's ``manifest_path``) is used
+    at once and listed again in the background (:attr:`listing_check`): if the store's listing
+    changed, a warning says how and the next start uses the new one.
     """
 
     def __init__(
         self,
-        source: str | Manifest,
+        source: str | Manifest | Source,
         *,
-        decode: str
-        | Callable[[Any], Any]
-        | Mapping[str, str | Callable[[bytes], Any]]
-        | None = None,
+        decode: DecodeSpec = None,
         transform: Callable[[Any], Any] | None = None,
         augment: Callable[[Any], Any] | None = None,
         cache: Cache | None = None,
-        labels: LabelSource | None = None,
-        label_key: str = "key",
-        label_field: str = "label",
-        classes: Sequence[str] | None = None,
-        group_by: GroupRule | None = None,
-        incomplete: Incomplete = "raise",
-        members: int | Sequence[str] | None = None,
-        shards: ShardFormat | None = None,
-        row_key: str | None = None,
-        columns: Sequence[str] | None = None,
-        chunks: ChunkConfig | None = None,
+        labels: Labels | LabelSource | None = None,
         on_error: OnError = "raise",
         on_change: OnChange | None = None,
         limit: int | None = None,
-        pattern: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         fetch_config: FetchConfig | None = None,
-        manifest_path: str | os.PathLike[str] | None = None,
-        reuse_listing: bool = True,
     ) -> None:
         storage_options = storage_options_of(storage_options)
+        spec = as_source(source)
+        labelled = Labels.of(labels)
         _check_arguments(
-            on_error=on_error,
-            on_change=on_change,
-            shards=shards,
-            limit=limit,
-            cache=cache,
-            decode=decode,
-            labels=labels,
-            classes=classes,
+            spec, on_error=on_error, on_change=on_change, limit=limit, cache=cache, labels=labelled
         )
-        _check_belongs(
-            shards=shards,
-            group_by=group_by,
-            labels=labels,
-            parquet_only=row_key is not None or columns is not None,
-            groups_only=members is not None or incomplete != "raise",
-            shards_only=chunks is not None,
-        )
-        self.listing_check: Future[ManifestChanges] | None = None
-        listing: Path | None = None  # where the listing is saved
-        if isinstance(source, Manifest):
-            manifest = source if pattern is None else source.filter(pattern=pattern)
-        elif isinstance(source, str):
-            listing = _listing_path(source, pattern, manifest_path, cache, storage_options)
+        self.decode = spec.decoder(decode)  # a wrong one fails before any listing
+        listing = None
+        if isinstance(spec.where, Manifest):
+            manifest = spec.where
+            manifest = manifest if spec.pattern is None else manifest.filter(pattern=spec.pattern)
+            self.listing_check: Future[ManifestChanges] | None = None
+        else:
+            listing = _listing_path(
+                spec.where, spec.pattern, spec.manifest_path, cache, storage_options
+            )
             manifest, self.listing_check = self._listing(
-                source,
+                spec.where,
                 listing,
-                reuse_listing,
-                pattern=pattern,
+                spec.reuse_listing,
+                pattern=spec.pattern,
                 storage_options=storage_options,
                 fetch_config=fetch_config,
             )
-        else:
-            raise ConfigError(f"RemoteDataset source must be a URL or a Manifest, got {source!r}")
         self.fetcher = Fetcher(storage_options, fetch_config or FetchConfig.from_env())
-        self.source: SampleSource
-        left_out: list[str] = []
-        if shards is not None:
-            shard_source = _shard_source(
-                shards,
-                manifest,
-                fetcher=self.fetcher,
-                cache=cache,
-                chunks=chunks,
-                on_error=on_error,
-                row_key=row_key,
-                columns=columns,
-                incomplete=incomplete,
-                members=members,
-            )
-            self.manifest = shard_source.manifest  # with the shards' indexes
-            if listing is not None and self.manifest is not manifest and rank_world()[0] == 0:
-                save_listing(self.manifest, listing)  # a restart reads no shard to index it
-            self.source = shard_source
-            left_out = shard_source.left_out
-        elif group_by is None:
-            if labels is not None:
-                manifest = _labelled(manifest, labels, label_key, label_field, classes)
-            self.manifest = manifest if limit is None else manifest[:limit]
-            self.source = SingleObjects(self.manifest)
-            if isinstance(decode, Mapping):
-                raise ConfigError("decode as a mapping of member patterns needs group_by or shards")
-        else:
-            groups = Groups(
-                manifest,
-                group_by,
-                incomplete=incomplete,
-                members=members,
-                labels=labels,
-                label_key=label_key,
-                label_field=label_field,
-                classes=classes,
-            )
-            self.manifest = groups.manifest  # with the grouping: save it to skip grouping again
-            self.source = groups
-            left_out = groups.left_out
-        self.decode = _decoder(decode, self.source)
+        self.source: SampleSource = spec.open(
+            manifest, Opening(self.fetcher, cache, on_error, labelled)
+        )
+        self.manifest = self.source.manifest  # with what the source keeps: save it to reuse it
+        if listing is not None and rank_world()[0] == 0:
+            _save_kept(manifest, self.manifest, listing)  # a restart indexes no shard again
         self._length = len(self.source) if limit is None else min(limit, len(self.source))
         if self._length == 0:
             raise ConfigError(f"RemoteDataset has no samples: {manifest.root}")
@@ -594,7 +516,7 @@ class RemoteDataset(_Batched):
         if self.source.reader_version:  # a fixed reader makes its samples again
             self.fingerprint += f"|{self.source.reader_version}"
         self.counters = StageCounters(
-            DatasetStats(left_out=list(left_out)),
+            DatasetStats(left_out=list(self.source.left_out)),
             self.fetcher.counters,
             CacheStats() if cache is None else cache.counters,
         )
@@ -664,9 +586,7 @@ class RemoteDataset(_Batched):
 
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         """The bytes the samples at ``indices`` read from the store (all their parts)."""
-        if isinstance(self.source, SingleObjects):
-            return int(self.manifest.sizes[np.asarray(indices, dtype=np.int64)].sum())
-        return sum(part.size for i in indices for part in self.source[int(i)].parts)
+        return self.source.nbytes(indices)
 
     def _cache_names(self, indices: list[int]) -> list[str]:
         return self._names(self.source.identities(indices))
@@ -777,127 +697,48 @@ class RemoteDataset(_Batched):
 
 
 def _check_arguments(
+    source: Source,
     *,
     on_error: object,
     on_change: object,
-    shards: object,
     limit: object,
     cache: object,
-    decode: Any,
-    labels: object,
-    classes: object,
+    labels: Labels | None,
 ) -> None:
     """Values that can be checked before any listing (which can take minutes)."""
-    if labels is not None and not isinstance(labels, Mapping | str | os.PathLike | Callable):
-        raise ConfigError(
-            "labels must be a mapping of key to label, a CSV or JSON file's path, 'folders' or "
-            f"a callable key -> label, got {labels!r}"
-        )
-    if classes is not None:
-        if labels is None:
-            raise ConfigError("classes names the classes of labels=: it needs labels")
-        check_classes(classes)
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"RemoteDataset on_error must be 'raise' or 'skip', got {on_error!r}")
     if on_change not in (None, "raise", "skip", "refresh"):
         raise ConfigError(
             f"RemoteDataset on_change must be 'raise', 'skip' or 'refresh', got {on_change!r}"
         )
-    if on_change == "refresh" and shards is not None:
+    if on_change == "refresh" and not source.refreshable:
         raise ConfigError(
-            "on_change='refresh' cannot apply to shards (a changed shard's samples move): "
-            "build the manifest again, or use on_change='skip'"
+            f"on_change='refresh' cannot apply to {source.name} samples (samples inside a "
+            "changed object move): build the manifest again, or use on_change='skip'"
+        )
+    if labels is not None and not source.takes_labels:
+        raise ConfigError(
+            f"{source.name} samples take no labels=: their labels are inside them (a tar "
+            "sample's member, a parquet column): take them out in decode or transform"
         )
     if limit is not None and (type(limit) is not int or limit < 1):
         raise ConfigError(f"RemoteDataset limit must be None or an int >= 1, got {limit!r}")
     if cache is not None and not isinstance(cache, Cache):
         raise ConfigError(f"RemoteDataset cache must be a fastload.Cache, got {cache!r}")
-    if shards not in (None, "tar", "parquet"):
-        raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
-    if decode is not None:
-        group_decoder(decode)  # an unknown decoder name is a ConfigError naming the known ones
 
 
-def _check_belongs(
-    *,
-    shards: object,
-    group_by: object,
-    labels: object,
-    parquet_only: bool,
-    groups_only: bool,
-    shards_only: bool,
-) -> None:
-    """Arguments that only one kind of source reads are refused elsewhere, never ignored."""
-    if shards is not None and (group_by is not None or labels is not None):
-        raise ConfigError(
-            "shards= reads samples from inside shards: group_by and labels "
-            "do not apply (a tar sample's label is one of its members)"
-        )
-    if shards != "parquet" and parquet_only:
-        raise ConfigError("row_key and columns read parquet files: they need shards='parquet'")
-    if group_by is None and shards != "tar" and groups_only:
-        raise ConfigError(
-            "members and incomplete say what each group of objects (or tar sample) must hold: "
-            "they need group_by or shards='tar' (without them they would be ignored)"
-        )
-    if shards is None and shards_only:
-        raise ConfigError("chunks configures reading inside shards: it needs shards=")
-
-
-def _decoder(
-    decode: str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]] | None,
-    source: SampleSource,
-) -> Callable[[Any], Any]:
-    """What ``decode`` becomes for ``source``: a group or a tar sample is ``{name: bytes}``."""
-    if decode is None:
-        return _as_read
-    if isinstance(source, (Groups, TarShards)):
-        return group_decoder(decode)
-    if isinstance(decode, Mapping):
-        raise ConfigError(f"decode as a mapping of member patterns does not apply to {source.root}")
-    return decoder(decode)
-
-
-@versioned(1)
-def _as_read(payload: Any) -> Any:
-    """No decoding: bytes, ``{name: bytes}`` or a parquet row as read."""
-    return payload
-
-
-def _shard_source(
-    shards: ShardFormat,
-    manifest: Manifest,
-    *,
-    fetcher: Fetcher,
-    cache: Cache | None,
-    chunks: ChunkConfig | None,
-    on_error: OnError,
-    row_key: str | None,
-    columns: Sequence[str] | None,
-    incomplete: Incomplete,
-    members: int | Sequence[str] | None,
-) -> Shards:
-    if shards == "parquet":
-        return ParquetShards(
-            manifest,
-            fetcher,
-            row_key=row_key,
-            columns=columns,
-            cache=cache,
-            config=chunks,
-            on_error=on_error,
-        )
-    if shards == "tar":
-        return TarShards(
-            manifest,
-            fetcher,
-            cache=cache,
-            config=chunks,
-            on_error=on_error,
-            incomplete=incomplete,
-            members=members,
-        )
-    raise ConfigError(f"RemoteDataset shards must be 'tar' or 'parquet', got {shards!r}")
+def _save_kept(listed: Manifest, opened: Manifest, path: Path) -> None:
+    """Save the listing ``listed`` again at ``path`` with what its source keeps (``opened``'s
+    new slots: a grouping, the shards' indexes), so that a restart does not compute it again.
+    The source's own view of the listing (labels joined, objects left out) is never saved: the
+    listing serves datasets of other options too."""
+    new = {slot: kept for slot, kept in opened.kept.items() if listed.kept.get(slot) is not kept}
+    if not new or opened.fingerprint != listed.fingerprint:
+        return
+    for slot, kept in new.items():
+        listed = listed.keeping(slot, kept)
+    save_listing(listed, path)
 
 
 def _listing_path(
@@ -916,24 +757,6 @@ def _listing_path(
     return None if path is None else Path(path)
 
 
-def _labelled(
-    manifest: Manifest,
-    labels: LabelSource,
-    label_key: str,
-    label_field: str,
-    classes: Sequence[str] | None,
-) -> Manifest:
-    """``manifest`` with labels per object: a table, a file, a callable or ``"folders"``."""
-    keys = manifest.keys()
-    if labels == "folders":
-        return _class_folders(manifest, keys, classes)
-    if callable(labels) and not isinstance(labels, (str, Mapping)):
-        return manifest.with_labels({k: labels(k) for k in keys}, classes=classes)
-    return manifest.with_labels(
-        labels, key_field=label_key, label_field=label_field, classes=classes
-    )
-
-
 def _dataset_print(dataset: Dataset[Any]) -> str:
     """A wrapped dataset's fingerprint: its class, its ``__getitem__`` and its attributes."""
     kind = type(dataset)
@@ -946,27 +769,6 @@ def _dataset_print(dataset: Dataset[Any]) -> str:
             unseen,
         )
     return f"{kind.__module__}.{kind.__qualname__}|{fingerprint(kind.__getitem__)}|{state}"
-
-
-def _class_folders(manifest: Manifest, keys: list[str], classes: Sequence[str] | None) -> Manifest:
-    """Labels as torchvision's ImageFolder gives them: each object's class is the folder right
-    under the root that holds it, at any depth (``cat/indoor/1.jpg`` is a cat); objects in no
-    folder are left out, and a warning names them (ImageFolder skips them too)."""
-    table = {key: key.split("/", 1)[0] for key in keys if "/" in key}
-    if not table:
-        raise ConfigError(
-            f"labels='folders': no object under {manifest.root} is in a folder (keys look like "
-            f"{keys[:3]}); ImageFolder's layout is <root>/<class>/<file>"
-        )
-    loose = [key for key in keys if "/" not in key]
-    if loose:
-        log.warning(
-            "labels='folders': leaving out %d objects under %s that are in no class folder: %s",
-            len(loose),
-            manifest.root,
-            loose[:5],
-        )
-    return manifest.with_labels(table, missing="drop", classes=classes)
 
 
 class CachedDataset(_Batched):

@@ -30,15 +30,15 @@ import numpy as np
 
 from fastload._select import has_wildcard, literal_prefixes, matches, selected, split_pattern
 from fastload.config import FetchConfig
-from fastload.errors import ConfigError, ObjectNotFoundError, StoreError
+from fastload.errors import ConfigError, ObjectNotFoundError
 from fastload.fetcher import Request
 from fastload.ranks import on_rank_zero, rank_world
-from fastload.stores import open_store, parse_url, translate
+from fastload.stores import open_store, parse_url
 from fastload.stores._base import Listed, PageLister
 from fastload.stores._listing import list_parallel
 from fastload.stores._retry import retrying
 
-__all__ = ["Entry", "Grouping", "Manifest", "ManifestChanges", "ShardIndexes"]
+__all__ = ["Entry", "Kept", "Manifest", "ManifestChanges"]
 
 FORMAT = "fastload-manifest/1"
 T = TypeVar("T")
@@ -109,71 +109,19 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Grouping:
-    """Samples made of several entries (``RemoteDataset(group_by=...)``), kept with a manifest
-    so that a saved one is not grouped again: the rule that made it, each group's name, the
-    entry indices of each group's members (``members[ends[i-1]:ends[i]]``), and the groups the
-    rule left out (``incomplete="skip"``), each with its reason."""
+class Kept:
+    """What a sample source keeps with a manifest, in the slot of its name (see
+    :meth:`Manifest.keeping`): saved and loaded with it, so that a restart (or another host)
+    does not compute it again. The manifest never looks inside.
 
-    rule: str
-    names: Strings
-    members: np.ndarray
-    ends: np.ndarray
-    left_out: Strings
+    ``tag`` is the source's to check (the rule that made a grouping, an index's version);
+    ``arrays`` its named numpy arrays (no objects: nothing is unpickled); ``by_key``: it names
+    entries by key and version, not by position, so a new listing of the same root keeps it
+    (each part applies only to the objects it names)."""
 
-    @classmethod
-    def of(
-        cls, rule: str, groups: Sequence[tuple[str, Sequence[int]]], left_out: Sequence[str] = ()
-    ) -> Grouping:
-        members = np.asarray([i for _, idx in groups for i in idx], dtype=np.int64)
-        ends = np.cumsum([len(idx) for _, idx in groups], dtype=np.int64)
-        names = Strings.of([name for name, _ in groups])
-        return cls(rule, names, members, ends, Strings.of(left_out))
-
-    def groups(self) -> list[tuple[str, list[int]]]:
-        starts = [0, *self.ends[:-1].tolist()]
-        members = self.members.tolist()
-        return [
-            (name, members[a:b])
-            for name, a, b in zip(self.names.tolist(), starts, self.ends.tolist(), strict=True)
-        ]
-
-
-@dataclass(frozen=True)
-class ShardIndexes:
-    """The indexes of a manifest's shards (``RemoteDataset(shards=...)``), kept with it so that
-    a saved manifest starts a dataset without reading its shards again (on another host too):
-    the indexes' version, each indexed shard's key and version, and per array name the arrays
-    of all shards end to end (shard ``i``'s are ``values[ends[i-1]:ends[i]]``)."""
-
-    version: str
-    keys: Strings
-    versions: Strings
-    values: dict[str, np.ndarray]
-    ends: dict[str, np.ndarray]
-
-    @classmethod
-    def of(
-        cls, version: str, indexes: Sequence[tuple[Entry, dict[str, np.ndarray]]]
-    ) -> ShardIndexes:
-        names = sorted(indexes[0][1]) if indexes else []  # every index of a version has these
-        values = {n: np.concatenate([index[n] for _, index in indexes]) for n in names}
-        ends = {n: np.cumsum([len(i[n]) for _, i in indexes], dtype=np.int64) for n in names}
-        keys = Strings.of([entry.key for entry, _ in indexes])
-        versions = Strings.of([entry.version for entry, _ in indexes])
-        return cls(version, keys, versions, values, ends)
-
-    def lookup(self, version: str) -> dict[tuple[str, str], dict[str, np.ndarray]]:
-        """Each shard's index by (key, version), when they are of ``version`` (else none)."""
-        if version != self.version:
-            return {}
-        out: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-        for i, shard in enumerate(zip(self.keys.tolist(), self.versions.tolist(), strict=True)):
-            out[shard] = {
-                n: values[(int(self.ends[n][i - 1]) if i else 0) : int(self.ends[n][i])]
-                for n, values in self.values.items()
-            }
-        return out
+    tag: str
+    arrays: Mapping[str, np.ndarray]
+    by_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,14 +154,13 @@ class Manifest(Sequence[Entry]):
         *,
         labels: Sequence[int] | np.ndarray | None = None,
         classes: Sequence[str] | None = None,
-        grouping: Grouping | None = None,
-        shard_indexes: ShardIndexes | None = None,
+        kept: Mapping[str, Kept] | None = None,
         pattern: str | None = None,
     ) -> None:
         self.root = str(parse_url(root)).rstrip("/")
         self.pattern = pattern
-        self.grouping = grouping
-        self.shard_indexes = shard_indexes
+        self.kept: Mapping[str, Kept] = dict(kept or {})
+        """What sample sources keep with this manifest, by slot (see :meth:`keeping`)."""
         self._keys = keys if isinstance(keys, Strings) else Strings.of(list(keys))
         self._versions = versions if isinstance(versions, Strings) else Strings.of(versions)
         self._sizes = np.asarray(sizes, dtype=np.int64)
@@ -279,35 +226,30 @@ class Manifest(Sequence[Entry]):
         url, pattern = _with_pattern(url, pattern)
         root = parse_url(url)
         store = open_store(root, storage_options)
-        lister = store.lister(root.bucket)
-        try:
-            if lister is not None:
-                prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
-                scopes = [prefix + start for start in literal_prefixes(pattern)]  # not all
-                loop = fsspec.asyn.get_loop()
-                found = fsspec.asyn.sync(
-                    loop,
-                    _list_scopes,
-                    lister,
-                    scopes,
-                    concurrency=concurrency if parallel else 1,
-                    config=config,
-                    split=parallel,
-                )
-                listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
-            else:  # the store's find in one call, retried whole as a page would be
-                listed = fsspec.asyn.sync(
-                    fsspec.asyn.get_loop(),
-                    retrying,
-                    partial(asyncio.to_thread, store.find, root),
-                    give_up=lambda failures, _: failures > config.retries,
-                    backoff=config.backoff,
-                    max_backoff=config.max_backoff,
-                )
-        except StoreError:
-            raise
-        except Exception as exc:  # the client's own errors: translated at the one boundary
-            raise translate(exc, str(root)) from exc
+        lister = store.lister(root.bucket)  # (stores raise fastload's errors only)
+        if lister is not None:
+            prefix = root.key.rstrip("/") + "/" if root.key.strip("/") else ""
+            scopes = [prefix + start for start in literal_prefixes(pattern)]  # not all
+            loop = fsspec.asyn.get_loop()
+            found = fsspec.asyn.sync(
+                loop,
+                _list_scopes,
+                lister,
+                scopes,
+                concurrency=concurrency if parallel else 1,
+                config=config,
+                split=parallel,
+            )
+            listed = [Listed(e.key[len(prefix) :], e.size, e.version) for e in found]
+        else:  # the store's find in one call, retried whole as a page would be
+            listed = fsspec.asyn.sync(
+                fsspec.asyn.get_loop(),
+                retrying,
+                partial(asyncio.to_thread, store.find, root),
+                give_up=lambda failures, _: failures > config.retries,
+                backoff=config.backoff,
+                max_backoff=config.max_backoff,
+            )
         listed = selected([e for e in listed if not _is_marker(e)], pattern, str(root))
         if not listed:
             raise ObjectNotFoundError(
@@ -472,18 +414,10 @@ class Manifest(Sequence[Entry]):
             pattern=self.pattern,
         )
 
-    def with_grouping(self, grouping: Grouping) -> Manifest:
-        """This manifest carrying ``grouping`` (saved with it; dropped by any derived one)."""
-        if len(grouping.members) and int(grouping.members.max()) >= len(self):
-            raise ConfigError(f"a grouping of other entries does not fit {self!r}")
-        return self._carrying(grouping, self.shard_indexes)
-
-    def with_shard_indexes(self, indexes: ShardIndexes) -> Manifest:
-        """This manifest carrying its shards' ``indexes`` (saved with it; dropped by any
-        derived one). An index is used only for a shard of the key and version it was made of."""
-        return self._carrying(self.grouping, indexes)
-
-    def _carrying(self, grouping: Grouping | None, indexes: ShardIndexes | None) -> Manifest:
+    def keeping(self, slot: str, kept: Kept) -> Manifest:
+        """This manifest carrying ``kept`` in ``slot`` (a sample source's name for what it
+        keeps: its grouping, its shards' indexes), saved with it and dropped by any derived
+        manifest (whose entries differ)."""
         return Manifest(
             self.root,
             self._keys,
@@ -491,8 +425,7 @@ class Manifest(Sequence[Entry]):
             self._versions,
             labels=self._labels,
             classes=self.classes,
-            grouping=grouping,
-            shard_indexes=indexes,
+            kept={**self.kept, slot: kept},
             pattern=self.pattern,
         )
 
@@ -533,8 +466,7 @@ class Manifest(Sequence[Entry]):
             "count": len(self),
             "fingerprint": self.fingerprint,
             "classes": self.classes,
-            "grouping": None if self.grouping is None else self.grouping.rule,
-            "shard_index": None if self.shard_indexes is None else self.shard_indexes.version,
+            "kept": {slot: [k.tag, k.by_key] for slot, k in self.kept.items()},
         }
         arrays = {
             "key_blob": self._keys.blob,
@@ -545,15 +477,8 @@ class Manifest(Sequence[Entry]):
         }
         if self._labels is not None:
             arrays["labels"] = self._labels
-        if self.grouping is not None:
-            arrays["group_name_blob"] = self.grouping.names.blob
-            arrays["group_name_ends"] = self.grouping.names.ends
-            arrays["group_members"] = self.grouping.members
-            arrays["group_ends"] = self.grouping.ends
-            arrays["group_left_out_blob"] = self.grouping.left_out.blob
-            arrays["group_left_out_ends"] = self.grouping.left_out.ends
-        if self.shard_indexes is not None:
-            arrays.update(_shard_index_arrays(self.shard_indexes))
+        for slot, k in self.kept.items():
+            arrays.update({f"{_KEPT}{slot}.{name}": values for name, values in k.arrays.items()})
         meta["checksum"] = _checksum(meta, arrays)
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub
@@ -621,8 +546,7 @@ class Manifest(Sequence[Entry]):
                 Strings(data["version_blob"], data["version_ends"]),
                 labels=data.get("labels"),
                 classes=meta.get("classes"),
-                grouping=_grouping(meta, data),
-                shard_indexes=_shard_indexes(meta, data),
+                kept=_kept(meta, arrays),
                 pattern=meta.get("pattern"),
             )
         return manifest, meta
@@ -719,7 +643,7 @@ def _glob_hint(url: str) -> str:
         return ""
     return (
         f" ('*', '?' and '[' in a URL without a brace list are a key's own characters; for the "
-        f"keys a glob matches, RemoteDataset({folder!r}, pattern={last!r}) or "
+        f"keys a glob matches, RemoteDataset(Objects({folder!r}, pattern={last!r})) or "
         f"Manifest.build({folder!r}, pattern={last!r}))"
     )
 
@@ -781,8 +705,9 @@ def _check(saved: Manifest, new: Manifest, path: Path) -> ManifestChanges:
             changes.removed,
             changes.changed,
         )
-        indexes = saved.shard_indexes  # kept: each is used only for its shard's key and version
-        save_listing(new if indexes is None else new.with_shard_indexes(indexes), path)
+        for slot, kept in saved.kept.items():  # each part applies to its own key and version
+            new = new.keeping(slot, kept) if kept.by_key else new
+        save_listing(new, path)
     return changes
 
 
@@ -817,50 +742,32 @@ def _in_background(work: Callable[[], T]) -> Future[T]:
     return future
 
 
-def _grouping(meta: dict[str, Any], data: Any) -> Grouping | None:
-    if meta.get("grouping") is None:
-        return None
-    names = Strings(data["group_name_blob"], data["group_name_ends"])
-    # a manifest saved before groups left out were kept has none: its rule (``|numbered``,
-    # not ``|left-out``) is not today's, so such a grouping is made again, not used
-    left_out = Strings.of([])
-    if "group_left_out_ends" in data:
-        left_out = Strings(data["group_left_out_blob"], data["group_left_out_ends"])
-    members, ends = data["group_members"], data["group_ends"]
-    return Grouping(str(meta["grouping"]), names, members, ends, left_out)
-
-
 _MARKER_NAMES = (".bzEmpty",)  # what B2's web console writes to make a "folder"
 
+_KEPT = "kept."  # prefix of the saved arrays of a slot: kept.<slot>.<name>
+_BEFORE_SLOTS = {  # manifests saved before slots: their fields, slots and array prefixes
+    "grouping": ("groups", "group_", False),
+    "shard_index": ("shards", "shard_index.", True),
+}
 
-_SHARD_INDEX = "shard_index."  # prefix of the saved arrays of ShardIndexes
 
-
-def _shard_index_arrays(indexes: ShardIndexes) -> dict[str, np.ndarray]:
-    arrays = {
-        f"{_SHARD_INDEX}key_blob": indexes.keys.blob,
-        f"{_SHARD_INDEX}key_ends": indexes.keys.ends,
-        f"{_SHARD_INDEX}version_blob": indexes.versions.blob,
-        f"{_SHARD_INDEX}version_ends": indexes.versions.ends,
+def _kept(meta: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, Kept]:
+    """The slots of a saved manifest (those of one saved before slots too, by prefix)."""
+    named = {
+        slot: (tag, by_key, f"{_KEPT}{slot}.")
+        for slot, (tag, by_key) in meta.get("kept", {}).items()
     }
-    for name, values in indexes.values.items():
-        arrays[f"{_SHARD_INDEX}values.{name}"] = values
-        arrays[f"{_SHARD_INDEX}ends.{name}"] = indexes.ends[name]
-    return arrays
-
-
-def _shard_indexes(meta: dict[str, Any], data: Any) -> ShardIndexes | None:
-    if meta.get("shard_index") is None:
-        return None
-    a = _SHARD_INDEX
-    names = [k.removeprefix(f"{a}values.") for k in data.files if k.startswith(f"{a}values.")]
-    return ShardIndexes(
-        str(meta["shard_index"]),
-        Strings(data[f"{a}key_blob"], data[f"{a}key_ends"]),
-        Strings(data[f"{a}version_blob"], data[f"{a}version_ends"]),
-        {n: data[f"{a}values.{n}"] for n in names},
-        {n: data[f"{a}ends.{n}"] for n in names},
-    )
+    for field, (slot, prefix, by_key) in _BEFORE_SLOTS.items():
+        if meta.get(field) is not None:
+            named[slot] = (meta[field], by_key, prefix)
+    return {
+        slot: Kept(
+            str(tag),
+            {k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)},
+            bool(by_key),
+        )
+        for slot, (tag, by_key, prefix) in named.items()
+    }
 
 
 def _is_marker(entry: Listed) -> bool:
@@ -874,10 +781,7 @@ def current(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[
     """The ``size`` and ``version`` the object at ``url`` has now (one stat), named as a
     listing names them."""
     parsed = parse_url(url)
-    try:
-        now = open_store(parsed, storage_options).stat(parsed)
-    except Exception as exc:  # translated at the boundary, naming the object
-        raise translate(exc, url) from exc
+    now = open_store(parsed, storage_options).stat(parsed)  # fastload's errors, naming it
     return {"size": now.size, "version": now.version}
 
 
@@ -966,7 +870,7 @@ def read_labels(path: Path, key_field: str, label_field: str) -> dict[str, int |
                 raise ConfigError(
                     f"labels file {path} has no column {absent[0]!r}; its columns are "
                     f"{columns}: say which holds the key and which the label (e.g. "
-                    f"label_key={columns[0]!r}, label_field={columns[-1]!r})"
+                    f"fastload.Labels(..., key={columns[0]!r}, field={columns[-1]!r}))"
                     if columns
                     else f"labels file {path} is empty"
                 )

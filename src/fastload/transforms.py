@@ -587,7 +587,7 @@ def decode_dicom(data: bytes) -> np.ndarray:
 # slices (a group of one was 1 x frames x H x W)
 def decode_dicom_series(members: Mapping[str, bytes]) -> np.ndarray:
     """A group's DICOM files as one ``slices x H x W`` volume sorted by slice position, a
-    multi-frame file's frames as slices (``RemoteDataset(..., group_by=...,
+    multi-frame file's frames as slices (``RemoteDataset(Groups(url, by=...),
     decode="dicom-series")``; needs ``fastload[dicom]``)."""
     return dicom_series(members)
 

@@ -11,18 +11,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice, pairwise
+from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError
-from fastload.manifest import Manifest
 from fastload.sampler import PermutationSampler
-from fastload.sources.tar import TarShards
 
-__all__ = ["WarmReport", "tar_shard_groups", "tar_shards_part", "warm_cache", "warm_order"]
+__all__ = ["WarmReport", "warm_cache", "warm_order"]
 
 
 @dataclass
@@ -101,60 +99,6 @@ def warm_order(
     order = PermutationSampler(n, seed=seed, rank=index, world_size=count).indices()
     _, first = np.unique(order, return_index=True)  # even shards repeat a few indices
     return order[np.sort(first)]
-
-
-def tar_shards_part(manifest: Manifest, shard: tuple[int, int]) -> Manifest | None:
-    """Part ``shard`` = (i, count) of a tar dataset's objects by whole shards: every count-th
-    tar shard from i, and every object that is not one (the tar reader names or leaves those
-    out on each machine as for the whole). None where splitting by chunk is better: fewer
-    shards than parts, or a manifest that carries the shards' indexes (indexing reads nothing).
-
-    Indexing a tar shard of small members reads it whole, so each machine that indexed every
-    shard to warm its own chunks read the whole dataset; by shard, each reads its shards once.
-    """
-    index, count = shard
-    if count == 1 or manifest.shard_indexes is not None:
-        return None
-    keys: list[str] = manifest.keys()
-    tars = [key for key in keys if key.lower().endswith(TarShards.suffixes)]
-    if len(tars) < count:
-        return None
-    others = set(tars) - set(tars[index::count])
-    return manifest.filter(lambda entry: entry.key not in others)
-
-
-def tar_shard_groups(manifest: Manifest, memory_bytes: int) -> list[Manifest]:
-    """A tar dataset's objects in groups to index and warm one after another, each group's
-    shards small enough for the reader to keep whole what indexing read of them (at most
-    ``memory_bytes`` over the group's shards, each its equal share): warming a group then reads
-    none of its shards again. Each group is a run of the manifest (the objects that are not tar
-    shards go with the shards beside them); a manifest that carries the shards' indexes
-    (indexing reads nothing) is one group.
-
-    Indexing every shard before warming any keeps only ``memory_bytes`` of what it read, so a
-    dataset of small members larger than that was read twice: to index it, and to warm it.
-    """
-    if manifest.shard_indexes is not None:
-        return [manifest]
-    keys: list[str] = manifest.keys()
-    sizes = manifest.sizes.tolist()
-    starts: list[int] = []  # where each group's first shard is, from the last group back
-    count = largest = 0
-    # from the last shard back: the group that comes out short is the first, not the last
-    # (a last shard of a few samples, or none, would be a dataset of no samples on its own)
-    for at in range(len(keys) - 1, -1, -1):
-        if not keys[at].lower().endswith(TarShards.suffixes):
-            continue
-        if count and (count + 1) * max(largest, sizes[at]) > memory_bytes:
-            count = largest = 0
-        if count:
-            starts[-1] = at
-        else:
-            starts.append(at)
-        count += 1
-        largest = max(largest, sizes[at])
-    bounds = [0, *reversed(starts[:-1]), len(keys)]
-    return [manifest[a:b] for a, b in pairwise(bounds)]
 
 
 def warm_cache(

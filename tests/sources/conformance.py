@@ -41,7 +41,15 @@ from typing import Any, ClassVar, Literal
 import pytest
 
 import fastload
-from fastload import Cache, DecodeError, Manifest, ObjectChangedError, RemoteDataset
+from fastload import (
+    Cache,
+    DecodeError,
+    Manifest,
+    ObjectChangedError,
+    Objects,
+    RemoteDataset,
+    Source,
+)
 from tests.stores.conformance import Case
 
 Policy = Literal["raise", "skip"]
@@ -114,6 +122,8 @@ class SourceConformance:
     """The contract of a sample source (see the module docstring)."""
 
     samples: ClassVar[int] = 12
+    source: ClassVar[type[Source]] = Objects
+    source_args: ClassVar[dict[str, Any]] = {}  # the source object's own options
     dataset_args: ClassVar[dict[str, Any]] = {}
     faults: ClassVar[dict[str, Fault]] = WHOLE_OBJECT_FAULTS
 
@@ -162,9 +172,12 @@ class SourceConformance:
         case.write({key: self.body(key, held) for key, held in layout.items()})
         return ids, layout
 
-    def dataset(self, source: str | Manifest, case: Case, **kwargs: Any) -> RemoteDataset:
+    def dataset(self, where: str | Manifest, case: Case, **kwargs: Any) -> RemoteDataset:
         return RemoteDataset(
-            source, storage_options=case.read_options, **self.dataset_args, **kwargs
+            self.source(where, **self.source_args),
+            storage_options=case.read_options,
+            **self.dataset_args,
+            **kwargs,
         )
 
     # -- the tests -------------------------------------------------------------------------

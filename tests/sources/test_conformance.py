@@ -2,9 +2,10 @@
 
 Each source runs on local files and on at least one loopback store, and each store serves at
 least two sources: objects on SeaweedFS and fake-gcs-server, groups on B2, tar shards on
-SeaweedFS and B2, parquet shards on fake-gcs-server. The tar and parquet faults are those
-tests/test_shard_faults.py had (corrupt headers and footers, shards cut at three places, a
-file with other columns), moved here, with one more: a tar cut in the zeros after a member.
+SeaweedFS and B2, parquet shards on fake-gcs-server, Zarr arrays on SeaweedFS. The tar and
+parquet faults are those tests/test_shard_faults.py had (corrupt headers and footers, shards
+cut at three places, a file with other columns), moved here, with one more: a tar cut in the
+zeros after a member.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec
 
+import fastload
 from fastload import ChunkConfig, RemoteDataset, ShardError
 from fastload.testing import B2Server, FakeGcsServer, FaultProxy, S3Server
 from tests.sources.conformance import (
@@ -27,6 +32,8 @@ from tests.sources.conformance import (
     SourceConformance,
     decode_id,
     encode,
+    flip_middle,
+    halve,
 )
 from tests.stores.conformance import Case
 from tests.stores.test_conformance import b2_case, gcs_case, s3_case
@@ -71,8 +78,9 @@ class Objects(SourceConformance):
 
 
 class Groups(SourceConformance):
+    source = fastload.Groups
+    source_args: ClassVar[dict[str, Any]] = {"by": r"(.*)_ch\d\.bin$"}
     dataset_args: ClassVar[dict[str, Any]] = {
-        "group_by": r"(.*)_ch\d\.bin$",
         "decode": {"*.bin": decode_id},
         "transform": one_id,
     }
@@ -143,7 +151,7 @@ def tar_corrupt_header(body: bytes) -> bytes:
 
 class Shards(SourceConformance):
     def layout(self, ids: list[int]) -> dict[str, list[int]]:
-        kind = self.dataset_args["shards"]
+        kind = self.source.name
         return {
             f"shard-{s}.{kind}": ids[s * PER_SHARD : (s + 1) * PER_SHARD]
             for s in range(-(-len(ids) // PER_SHARD))
@@ -151,9 +159,10 @@ class Shards(SourceConformance):
 
 
 class TarShards(Shards):
+    source = fastload.Tar
+    # two samples a chunk, two chunks a shard
+    source_args: ClassVar[dict[str, Any]] = {"chunks": ChunkConfig(chunk_bytes=4096)}
     dataset_args: ClassVar[dict[str, Any]] = {
-        "shards": "tar",
-        "chunks": ChunkConfig(chunk_bytes=4096),  # two samples a chunk, two chunks a shard
         "decode": {"cls": number, "bin": decode_id},
         "transform": one_id,
     }
@@ -207,7 +216,8 @@ def parquet_other_columns(body: bytes) -> bytes:
 
 
 class ParquetShards(Shards):
-    dataset_args: ClassVar[dict[str, Any]] = {"shards": "parquet", "decode": row_id}
+    source = fastload.Parquet
+    dataset_args: ClassVar[dict[str, Any]] = {"decode": row_id}
     faults: ClassVar[dict[str, Fault]] = {
         "footer-corrupt": Fault(parquet_corrupt_footer, ShardError, r"corrupt parquet footer"),
         "truncated": Fault(
@@ -227,6 +237,69 @@ class ParquetShards(Shards):
         in one range) is read once, at most."""
         assert dataset.blocks is not None
         return 2 * len(dataset.source.shards) + len(dataset.blocks)  # type: ignore[attr-defined]
+
+
+# -- a Zarr array ---------------------------------------------------------------------------------
+
+ZARR_CHUNK = (PER_SHARD, 128)  # a sample (a row of 256 bytes) reads two chunks, its halves
+
+
+def zarr_store(rows: np.ndarray) -> dict[str, bytes]:
+    """The objects zarr writes for ``rows`` (uint8) in chunks of ``ZARR_CHUNK``, each chunk
+    ending with a CRC-32C (zarr's default zstd has no checksum: a flipped byte would decode)."""
+    objects: dict[str, Any] = {}
+    array = zarr.create_array(
+        zarr.storage.MemoryStore(objects),
+        shape=rows.shape,
+        chunks=ZARR_CHUNK,
+        dtype="uint8",
+        serializer=BytesCodec(),
+        compressors=[Crc32cCodec()],
+    )
+    array[:] = rows
+    return {key: buffer.to_bytes() for key, buffer in objects.items()}
+
+
+def encoded_rows(ids: list[int]) -> np.ndarray:
+    return np.stack([np.frombuffer(encode(n), np.uint8) for n in ids])
+
+
+def array_id(row: np.ndarray) -> int:
+    """A Zarr sample's id: the row holds :func:`encode`'s bytes."""
+    return decode_id(row.tobytes())
+
+
+class ZarrArray(SourceConformance):
+    """A (12, 256) uint8 array, a sample per row, in chunks of 4 rows and half a row: the
+    chunk objects are the suite's objects (``c/<row>/<half>``); ``zarr.json`` is written beside
+    them, never made bad (a bad one is no array: the dataset is not made)."""
+
+    source = fastload.Zarr
+    dataset_args: ClassVar[dict[str, Any]] = {"decode": array_id}
+    faults: ClassVar[dict[str, Fault]] = {
+        "corrupt": Fault(flip_middle, ShardError, r"checksum do not match"),
+        "truncated": Fault(halve, ShardError, r"checksum do not match"),
+        "changed": WHOLE_OBJECT_FAULTS["changed"],
+    }
+
+    def layout(self, ids: list[int]) -> dict[str, list[int]]:
+        rows = -(-len(ids) // PER_SHARD)
+        return {
+            f"c/{r}/{h}": ids[r * PER_SHARD : (r + 1) * PER_SHARD]
+            for r in range(rows)
+            for h in range(256 // ZARR_CHUNK[1])
+        }
+
+    def body(self, key: str, ids: list[int]) -> bytes:
+        """Chunk ``c/<r>/<h>`` of rows ``ids`` (chunk ``c/0/<h>`` of an array of those rows:
+        its bytes do not depend on the row it starts at)."""
+        half = key.rsplit("/", 1)[1]
+        return zarr_store(encoded_rows(ids))[f"c/0/{half}"]
+
+    def write(self, case: Case) -> tuple[list[int], dict[str, list[int]]]:
+        ids, layout = super().write(case)
+        case.write({"zarr.json": zarr_store(encoded_rows(ids))["zarr.json"]})
+        return ids, layout
 
 
 # -- stores --------------------------------------------------------------------------------------
@@ -312,4 +385,12 @@ class TestParquetShardsOnLocalFiles(OnLocalFiles, ParquetShards):
 
 
 class TestParquetShardsOnGcs(OnGcs, ParquetShards):
+    pass
+
+
+class TestZarrOnLocalFiles(OnLocalFiles, ZarrArray):
+    pass
+
+
+class TestZarrOnSeaweed(OnSeaweed, ZarrArray):
     pass

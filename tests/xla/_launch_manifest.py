@@ -12,7 +12,7 @@ from typing import Any
 import torch_xla
 import torch_xla.runtime as xr
 
-from fastload import Manifest, ObjectNotFoundError, RemoteDataset
+from fastload import Manifest, ObjectNotFoundError, RemoteDataset, Tar
 
 _list = Manifest._list.__func__  # type: ignore[attr-defined]
 
@@ -30,7 +30,7 @@ def build(index: int, data: str, out_dir: str, tars: str) -> None:
         missing = "no error"
     except ObjectNotFoundError as exc:
         missing = type(exc).__name__
-    shards = RemoteDataset(f"file://{tars}", shards="tar")
+    shards = RemoteDataset(Tar(f"file://{tars}"))
     record = {
         "keys": manifest.keys(),
         "fingerprint": manifest.fingerprint,

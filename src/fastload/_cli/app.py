@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,11 +31,14 @@ from fastload.dataset import CachedDataset, RemoteDataset, _listing_path
 from fastload.errors import ConfigError, FastloadError
 from fastload.manifest import Manifest, save_listing
 from fastload.ranks import launcher_rank_world
+from fastload.sources import DecodeSpec, Source
 from fastload.sources.groups import group_decoder
+from fastload.sources.labels import Labels
+from fastload.sources.registry import source_of_options
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
 from fastload.transforms import GROUP_DECODERS, decoder
-from fastload.warm import WarmReport, tar_shard_groups, tar_shards_part, warm_cache, warm_order
+from fastload.warm import WarmReport, warm_cache, warm_order
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
@@ -85,7 +89,7 @@ Incomplete = Annotated[
 ]
 Shards = Annotated[
     str | None,
-    typer.Option(help="tar or parquet: many samples inside each object, read in place."),
+    typer.Option(help="tar, parquet or zarr: many samples inside each object, read in place."),
 ]
 RowKey = Annotated[
     str | None,
@@ -202,16 +206,14 @@ def load_object(spec: str, what: str) -> Any:
         ) from exc
 
 
-DecodeSpec = str | Callable[[Any], Any] | dict[str, str | Callable[[bytes], Any]] | None
-
-
-def _decoder(spec: str | None, *, members: bool, shards: bool) -> DecodeSpec:
+def _decoder(spec: str | None, source: Source) -> DecodeSpec:
     """What ``--decode`` gives RemoteDataset's ``decode=`` (checked as it checks it), for
-    samples of ``{member: bytes}`` (``members``: --group-by, --shards tar) or not: a name, a
-    module:attr, none, or ``PATTERN=DECODER,...``; with none given, npy (the sample as read
-    with ``shards``)."""
+    ``source``'s samples, ``{member: bytes}`` (--group-by, --shards tar) or not: a name, a
+    module:attr, none, or ``PATTERN=DECODER,...``; with none given, the source's default (npy;
+    the sample as read with ``--shards``)."""
+    members = source.by_member
     if spec is None:
-        return None if shards else "npy"
+        return source.default_decode
     if spec == "none":
         return None
     if "=" in spec:
@@ -376,7 +378,9 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             raise ConfigError("warm-cache needs SOURCE and --cache-dir (or --dataset)")
         cache_format = _as_format(format)
         parse_url(source)
-        shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
+        spec, decode_spec = _shape(
+            source, pattern, group_by, incomplete, shards, row_key, columns, decode
+        )
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"--on-error must be raise or skip, got {on_error!r}")
         skipping = on_error == "skip"
@@ -394,29 +398,28 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         else:
             listing = Manifest.load(manifest, url=source)
             listing = listing if pattern is None else listing.filter(pattern=pattern)
-        own = tar_shards_part(listing, part) if shards == "tar" and limit is None else None
-        if own is not None:  # this machine's shards are all it indexes and warms
+        own = spec.warm_part(listing, part) if limit is None else None
+        if own is not None:  # this machine's objects are all it reads and warms
             listing, part = own, (0, 1)
         make = partial(
             _remote,
             (cache_dir, cache_format, budget),
+            spec,
+            decode=decode_spec,
             transform=transform_fn,
-            labels=labels,
-            label_key=label_key,
-            label_field=label_field,
+            labels=None if labels is None else Labels(labels, key=label_key, field=label_field),
             limit=limit,
             on_error=on_error,
             storage_options=options,
-            **shape,
         )
-        in_groups = shards == "tar" and part == (0, 1) and seed is None and limit is None
-        groups = (
-            # half the memory each: the next group is indexed while one warms
-            tar_shard_groups(listing, ChunkConfig.from_env().memory_bytes // 2)
-            if in_groups
+        in_rounds = part == (0, 1) and seed is None and limit is None
+        rounds = (
+            # half the memory each: the next round is opened (its shards indexed) while one warms
+            spec.warm_rounds(listing, ChunkConfig.from_env().memory_bytes // 2)
+            if in_rounds
             else [listing]
         )
-        datasets = map(make, groups)
+        datasets = map(make, rounds)
     report = _warm_all(datasets, part, seed, batch_size, in_flight, quiet=as_json)
     result = report.as_dict()
     if cost_per_1k_requests is not None or cost_per_gb is not None:
@@ -428,7 +431,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     check = (
         f"what --dataset {dataset_factory} makes"
         if dataset_factory
-        else f"--decode (here: {decode or ('the sample as read' if shards else 'npy')}) and "
+        else f"--decode (here: {decode or spec.default_decode or 'the sample as read'}) and "
         "--transform against what training uses"
     )
     _emit(result, as_json, lambda: _print_warm(result, skipping=skipping, check=check))
@@ -485,38 +488,40 @@ def _print_warm(result: dict[str, Any], *, skipping: bool, check: str) -> None:
 
 
 def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order)
+    where: str,
+    pattern: str | None,
     group_by: str | None,
     incomplete: str,
     shards: str | None,
     row_key: str | None,
     columns: str | None,
     decode: str | None,
-) -> dict[str, Any]:
-    """RemoteDataset's arguments for how objects become samples, from the options of those
-    names (checked: a wrong one fails before any request)."""
+) -> tuple[Source, DecodeSpec]:
+    """The source object of ``where`` that the options of those names make (through the
+    registry, as RemoteDataset's), and its ``decode=``: a wrong one fails before any request."""
     if incomplete not in ("raise", "skip", "accept"):
         raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
-    if shards not in (None, "tar", "parquet"):
-        raise ConfigError(f"--shards must be tar or parquet, got {shards!r}")
-    return {
-        "group_by": group_by,
-        "incomplete": incomplete,
-        "shards": shards,
-        "row_key": row_key,
-        "columns": None if columns is None else columns.split(","),
-        "decode": _decoder(
-            decode, members=group_by is not None or shards == "tar", shards=bool(shards)
-        ),
-    }
+    source = source_of_options(
+        where,
+        shards=shards,
+        group_by=group_by,
+        pattern=pattern,
+        incomplete=None if incomplete == "raise" else incomplete,
+        row_key=row_key,
+        columns=None if columns is None else columns.split(","),
+    )
+    return source, _decoder(decode, source)
 
 
 def _remote(
-    cache: tuple[Path, CacheFormat, int | None], listing: Manifest, **kwargs: Any
+    cache: tuple[Path, CacheFormat, int | None], spec: Source, listing: Manifest, **kwargs: Any
 ) -> RemoteDataset:
-    """A dataset of ``listing`` with a Cache of its own over the folder (its counters count its
-    own warming alone: the next group's indexing looks up the cache while one warms)."""
+    """A dataset of ``spec``'s samples in ``listing`` with a Cache of its own over the folder
+    (its counters count its own warming alone: the next round's opening looks up the cache
+    while one warms)."""
     folder, form, budget = cache
-    return RemoteDataset(listing, cache=Cache(folder, format=form, max_bytes=budget), **kwargs)
+    source = replace(spec, where=listing, pattern=None)
+    return RemoteDataset(source, cache=Cache(folder, format=form, max_bytes=budget), **kwargs)
 
 
 def _warm_all(
@@ -782,7 +787,7 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     """--diagnose one data source: is the loader or the step the bottleneck? (The benchmark
     suite against the peers is a tool of the repository: ``make bench``.)"""
     fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
-    shape = _shape(group_by, incomplete, shards, row_key, columns, decode)
+    shape = _shape(diagnose, None, group_by, incomplete, shards, row_key, columns, decode)
     loading = {
         "batch_size": batch_size,
         "num_workers": workers,
@@ -803,7 +808,7 @@ def _diagnose(  # noqa: PLR0917
     source: str,
     cache_dir: Path | None,
     format: str,
-    shape: dict[str, Any],
+    shape: tuple[Source, DecodeSpec],
     transform: str | None,
     loading: dict[str, Any],
     steps: int,
@@ -813,11 +818,11 @@ def _diagnose(  # noqa: PLR0917
     cache_format = _as_format(format)
     parse_url(source)
     dataset = RemoteDataset(
-        source,
+        shape[0],
+        decode=shape[1],
         transform=load_object(transform, "transform") if transform else None,
         cache=Cache(cache_dir, format=cache_format) if cache_dir else None,
         storage_options=options,
-        **shape,
     )
     loader = fastload.DataLoader(dataset, shuffle=True, **loading)
     return fastload.diagnose(loader, step, steps=steps)

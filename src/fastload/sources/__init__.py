@@ -1,15 +1,27 @@
 """Sample sources: how a manifest's objects become samples.
 
-A source says, for each sample, which objects it needs (its :class:`Part` s), what identifies
+A *source object* (:class:`Source`) is what users give :class:`fastload.RemoteDataset`: where
+the samples are (a URL or a :class:`~fastload.Manifest`, a key ``pattern``, where the listing
+is saved) and the options of its shape, which no other class takes. The registry
+(:mod:`fastload.sources.registry`) names them: :class:`~fastload.sources.single.Objects`,
+:class:`~fastload.sources.groups.Groups`, :class:`~fastload.sources.tar.Tar`,
+:class:`~fastload.sources.parquet.Parquet`, :class:`~fastload.sources.zarr.Zarr` and what a
+project adds. Opened over a listed manifest (:meth:`Source.open`), a source object gives the
+reader of its samples, a :class:`SampleSource`. A new format is one module with both, and a
+line in the registry.
+
+A reader says, for each sample, which objects it needs (its :class:`Part` s), what identifies
 it (a URL-like name and a version, for the cache and for errors) and how the fetched bytes are
 put together for ``decode``. Fetching, caching, lookahead, ``on_error``, ``warm`` and the stall
 report live in :class:`fastload.RemoteDataset` and work the same for every source:
 
 - :class:`~fastload.sources.single.SingleObjects`: one object, one sample;
-- :class:`~fastload.sources.groups.Groups`: several objects, one sample (the channels of a
-  field, a DICOM series, an image and its mask);
+- :class:`~fastload.sources.groups.GroupedObjects`: several objects, one sample (the channels
+  of a field, a DICOM series, an image and its mask);
 - :class:`~fastload.sources.tar.TarShards` and :class:`~fastload.sources.parquet.ParquetShards`:
-  many samples in one object, read in place by byte range (see :mod:`fastload.sources._chunks`).
+  many samples in one object, read in place by byte range (see :mod:`fastload.sources._chunks`);
+- :class:`~fastload.sources.zarr.ZarrArray`: samples along an array's first axes, read chunk by
+  chunk.
 
 A source names samples cheaply too (:meth:`SampleSource.identities`: all a warm batch needs
 to find them in the cache). It also says how its samples are read (:meth:`SampleSource.read`):
@@ -21,16 +33,36 @@ follows.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
-from fastload.errors import DecodeError, StoreError
+from fastload.errors import ConfigError, DecodeError, StoreError
 from fastload.fetcher import Fetcher, Request
+from fastload.manifest import Manifest
+from fastload.transforms import decoder
 
-__all__ = ["Part", "Sample", "SampleSource", "group_version", "read_objects", "refreshed"]
+if TYPE_CHECKING:
+    from fastload.cache import Cache
+    from fastload.sources.labels import Labels
+
+__all__ = [
+    "Opening",
+    "Part",
+    "Sample",
+    "SampleSource",
+    "Source",
+    "group_version",
+    "read_objects",
+    "refreshed",
+]
+
+DecodeSpec = str | Callable[[Any], Any] | Mapping[str, str | Callable[[bytes], Any]] | None
+"""What ``RemoteDataset(decode=...)`` takes: a decoder name, a callable, a mapping of member
+patterns to decoders (sources whose samples are ``{member: bytes}``), or None."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +88,13 @@ class Sample:
 
 
 class SampleSource(Protocol):
-    """Addressable samples over a manifest (see the module docstring)."""
+    """Addressable samples over a manifest: what a :class:`Source` opens (see the module
+    docstring)."""
 
     root: str
     classes: tuple[str, ...] | None  # label names, when labels are strings
+    manifest: Manifest  # what it read, carrying what it keeps (:meth:`Manifest.keeping`)
+    left_out: list[str]  # what on_error="skip" or incomplete="skip" left out: what and why
 
     def __len__(self) -> int: ...
 
@@ -80,6 +115,101 @@ class SampleSource(Protocol):
 
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
         """What ``decode`` receives for each sample, or the exception it failed with."""
+
+    def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
+        """The bytes the samples at ``indices`` read from the store (all their parts)."""
+
+
+def parts_bytes(source: SampleSource, indices: Sequence[int] | np.ndarray) -> int:
+    """:meth:`SampleSource.nbytes` from each sample's parts."""
+    return sum(part.size for i in indices for part in source[int(i)].parts)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a :class:`Source` is opened with besides its manifest: the dataset's fetcher,
+    cache (a reader may keep its indexes there), ``on_error`` and labels."""
+
+    fetcher: Fetcher
+    cache: Cache | None
+    on_error: Literal["raise", "skip"]
+    labels: Labels | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """Where samples are and how objects make them: what :class:`fastload.RemoteDataset`
+    reads (a URL or a Manifest alone is :class:`~fastload.sources.single.Objects`).
+
+    where: a URL (``s3://``, ``gs://``, ``b2://``, ``file://``; a brace list in it is a key
+        pattern) or a :class:`fastload.Manifest`.
+    pattern: keep only the keys (relative to the URL) it matches, as :meth:`Manifest.build`'s
+        (``"*.tar"``, ``"{train,val}/*.jpg"``); over a Manifest, as :meth:`Manifest.filter`'s.
+    manifest_path: where the listing of a URL is saved (default: in the dataset's cache
+        folder; with neither, the URL is listed at every start).
+    reuse_listing: use a saved listing at once and list again in the background (the default;
+        a changed listing is warned about and used at the next start), or list at start.
+    """
+
+    where: str | Manifest
+    _: KW_ONLY
+    pattern: str | None = None
+    manifest_path: str | os.PathLike[str] | None = None
+    reuse_listing: bool = True
+
+    name: ClassVar[str] = "objects"
+    """Its name in the registry and in messages (``fastload warm-cache --shards tar``)."""
+    by_member: ClassVar[bool] = False
+    """Whether ``decode`` receives ``{member: bytes}`` (and may decode members by pattern)."""
+    refreshable: ClassVar[bool] = False
+    """Whether ``on_change="refresh"`` can read a changed object's new version mid-epoch."""
+    takes_labels: ClassVar[bool] = False
+    """Whether it takes ``labels=`` (a shard sample's label is one of its members)."""
+    default_decode: ClassVar[str | None] = None
+    """``fastload warm-cache``'s decoder when none is given."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.where, (str, Manifest)):
+            raise ConfigError(
+                f"{type(self).__name__} reads a URL or a Manifest, got {self.where!r}"
+            )
+        if not isinstance(self.reuse_listing, bool):
+            raise ConfigError(f"reuse_listing must be a bool, got {self.reuse_listing!r}")
+
+    def open(self, manifest: Manifest, opening: Opening) -> SampleSource:
+        """The reader of ``manifest``'s samples (the listing of :attr:`where`)."""
+        raise NotImplementedError
+
+    def decoder(self, decode: DecodeSpec) -> Callable[[Any], Any]:
+        """What ``decode`` becomes for this source's samples (checked: a wrong one is a
+        ConfigError before any listing)."""
+        if decode is None:
+            return as_read
+        if isinstance(decode, Mapping):
+            raise ConfigError(
+                f"decode as a mapping of member patterns decodes the members of a sample: "
+                f"{type(self).__name__} samples are whole objects"
+            )
+        return decoder(decode)
+
+    def warm_part(self, manifest: Manifest, part: tuple[int, int]) -> Manifest | None:
+        """The objects that part ``part`` = (i, count) of ``fastload warm-cache`` reads, when
+        this source splits its work across hosts by object (None: by sample)."""
+        return None
+
+    def warm_rounds(self, manifest: Manifest, memory_bytes: int) -> list[Manifest]:
+        """``manifest`` in runs to open and warm one after another, each fitting in
+        ``memory_bytes`` of what opening reads (one run: all at once)."""
+        return [manifest]
+
+
+def as_read(payload: Any) -> Any:
+    """No decoding: bytes, ``{name: bytes}`` or a parquet row as read."""
+    return payload
+
+
+# the name cache entries were made under before it moved here (a new one would make them again)
+as_read.fingerprint = "fastload.dataset._as_read:v1"  # type: ignore[attr-defined]
 
 
 def group_version(parts: Sequence[Part]) -> str:

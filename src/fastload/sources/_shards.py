@@ -22,10 +22,11 @@ from fastload.cache import Cache
 from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, DecodeError, FastloadError, ShardError, StoreError
 from fastload.fetcher import Fetcher
-from fastload.manifest import Entry, Manifest, ShardIndexes
+from fastload.manifest import Entry, Manifest
 from fastload.ranks import on_every_rank
-from fastload.sources import Part, Sample
+from fastload.sources import Part, Sample, parts_bytes
 from fastload.sources._chunks import Chunk, ChunkReader
+from fastload.sources._indexes import SLOT, ShardIndexes
 
 __all__ = ["Shards"]
 
@@ -74,7 +75,7 @@ class Shards:
         # memory, so a shard of small members (read whole to be indexed) is not read again
         self._seeds: dict[str, bytes | memoryview] = {}
         self._seed_limit = self.config.memory_bytes // max(1, len(found))
-        saved = manifest.shard_indexes
+        saved = ShardIndexes.kept_by(manifest)
         stored = {} if saved is None else saved.lookup(self.index_version)
         indexes: list[tuple[Entry, dict[str, np.ndarray]]] = []
         for entry, index in zip(found, self._indexes(found, fetcher, cache, stored), strict=True):
@@ -89,9 +90,8 @@ class Shards:
         if all((entry.key, entry.version) in stored for entry, _ in indexes):
             self.manifest = manifest
         else:  # saving this manifest saves the indexes: a restart (or another host) reads none
-            self.manifest = manifest.with_shard_indexes(
-                ShardIndexes.of(self.index_version, indexes)
-            )
+            kept = ShardIndexes.of(self.index_version, indexes).kept()
+            self.manifest = manifest.keeping(SLOT, kept)
         if self._count == 0:
             raise ConfigError(
                 f"the {len(found)} {self.kind} shards under {self.root} hold no samples"
@@ -113,6 +113,9 @@ class Shards:
     @property
     def reader_version(self) -> str:
         return self.index_version
+
+    def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
+        return parts_bytes(self, indices)
 
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
@@ -350,3 +353,9 @@ class _Progress:
                 "again once (`fastload warm-cache --shards` reads each shard once)",
                 self._what, read / 1e9, self._keep / 1e9,
             )  # fmt: skip
+
+
+def check_chunks(chunks: object) -> None:
+    """A shard source's ``chunks=``: None or a ChunkConfig."""
+    if chunks is not None and not isinstance(chunks, ChunkConfig):
+        raise ConfigError(f"chunks must be a fastload.ChunkConfig, got {chunks!r}")

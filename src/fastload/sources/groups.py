@@ -1,11 +1,11 @@
 """Several objects, one sample: the channels of a field, a DICOM series, an image and its mask.
 
-``group_by`` names each object's group: a regular expression (its first group, or the whole
-match, is the group name) or a callable ``key -> name`` (None leaves the object out). Groups
-come in sorted order, their members sorted by key with numbers by value (``_ch2`` before
-``_ch10``, ``9.dcm`` before ``10.dcm``: a transform that stacks members in order stacks them as
-numbered); ``decode`` receives ``{member key: bytes}``,
-or decodes each member by name (``decode="tiff"``) or by pattern (``{"*.tiff": "tiff"}``).
+``Groups(where, by)``: ``by`` names each object's group: a regular expression (its first
+group, or the whole match, is the group name) or a callable ``key -> name`` (None leaves the
+object out). Groups come in sorted order, their members sorted by key with numbers by value
+(``_ch2`` before ``_ch10``, ``9.dcm`` before ``10.dcm``: a transform that stacks members in
+order stacks them as numbered); ``decode`` receives ``{member key: bytes}``, or decodes each
+member by name (``decode="tiff"``) or by pattern (``{"*.tiff": "tiff"}``).
 
 A member's *role* is its key without the group name (``_ch3.tiff`` in ``f02_ch3.tiff``). When
 most groups share one set of roles, a group that lacks one (a missing channel) or has an extra
@@ -20,47 +20,93 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
+
+import numpy as np
 
 from fastload.errors import ConfigError, DecodeError
 from fastload.fetcher import Fetcher
-from fastload.manifest import Grouping, Manifest, label_codes, read_labels
-from fastload.sources import Part, Sample, group_version, read_objects
+from fastload.manifest import Kept, Manifest, Strings, label_codes
+from fastload.sources import (
+    DecodeSpec,
+    Opening,
+    Part,
+    Sample,
+    Source,
+    group_version,
+    parts_bytes,
+    read_objects,
+)
 from fastload.sources._complete import Incomplete, check_policy, incomplete_sets
+from fastload.sources.labels import Labels, label_table
 from fastload.transforms import GROUP_DECODERS, decoder, fingerprint
 
-__all__ = ["GroupRule", "Groups", "Incomplete", "LabelSource", "group_decoder"]
+__all__ = ["GroupRule", "GroupedObjects", "Groups", "Incomplete", "group_decoder"]
 
 log = logging.getLogger(__name__)
 
 GroupRule = str | re.Pattern[str] | Callable[[str], str | None]
-LabelSource = Mapping[str, int | str] | str | Path | Callable[[str], int | str]
 _SHOWN = 5  # names listed in a message
 _DIGITS = re.compile(r"(\d+)")  # split keeps them: text and numbers alternate, text first
 
 
-class Groups:
+@dataclass(frozen=True, eq=False)
+class Groups(Source):
+    """Several objects make one sample (see the module docstring and :class:`Source` for
+    ``where``, ``pattern``, ``manifest_path`` and ``reuse_listing``).
+
+    by: a regex whose first group names each object's group (or its whole match, when it has
+        no group), or a callable ``key -> group name`` (None leaves the object out).
+    incomplete: a group that lacks a member most groups have, or has an extra one:
+        ``"raise"`` names them, ``"skip"`` leaves them out (named in ``stats()``),
+        ``"accept"`` keeps them.
+    members: the roles every group has (``["_ch1.tiff", ...]``) or their number, instead of
+        what most groups have.
+
+    ``decode`` receives ``{member key: bytes}``, or decodes each member (``decode="tiff"`` or
+    ``{"*.tiff": "tiff", "*.json": my_json}``).
+    """
+
+    by: GroupRule
+    _: KW_ONLY
+    incomplete: Incomplete = "raise"
+    members: int | Sequence[str] | None = None
+
+    name = "groups"
+    by_member = True
+    refreshable = True
+    takes_labels = True
+    default_decode = "npy"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_policy(self.incomplete, self.members)
+        _namer(self.by)  # a wrong rule fails before any listing
+
+    def open(self, manifest: Manifest, opening: Opening) -> GroupedObjects:
+        return GroupedObjects(manifest, self, opening.labels)
+
+    def decoder(self, decode: DecodeSpec) -> Callable[[Any], Any]:
+        return super().decoder(None) if decode is None else group_decoder(decode)
+
+
+_SLOT = "groups"  # the manifest's slot for a grouping (see _saved_grouping)
+
+
+class GroupedObjects:
     """The groups of ``manifest``'s objects as samples (see the module docstring)."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        group_by: GroupRule,
-        *,
-        incomplete: Incomplete = "raise",
-        members: int | Sequence[str] | None = None,
-        labels: LabelSource | None = None,
-        label_key: str = "key",
-        label_field: str = "label",
-        classes: Sequence[str] | None = None,
-    ) -> None:
-        check_policy(incomplete, members)
+    blocks = None
+    reader_version = ""  # a group's version follows its members and their order
+
+    def __init__(self, manifest: Manifest, spec: Groups, labels: Labels | None = None) -> None:
+        group_by, incomplete, members = spec.by, spec.incomplete, spec.members
         self.root = manifest.root
         rule = _rule(group_by, incomplete, members)
-        saved = manifest.grouping
-        if saved is not None and saved.rule == rule:
-            found, left_out = saved.groups(), saved.left_out.tolist()
+        saved = _saved_grouping(manifest, rule)
+        if saved is not None:
+            found, left_out = saved
             log.info("%s: %d groups as saved with the manifest (%s)", self.root, len(found), rule)
         else:
             keys = manifest.keys()
@@ -68,7 +114,7 @@ class Groups:
             groups, left_out = _check_complete(groups, keys, manifest.root, incomplete, members)
             found = [(name, _numbered(groups[name], keys)) for name in sorted(groups)]
             if rule is not None:  # saving the manifest keeps it: a restart does not group again
-                manifest = manifest.with_grouping(Grouping.of(rule, found, left_out))
+                manifest = manifest.keeping(_SLOT, _grouping(rule, found, left_out))
         self.manifest = manifest
         self.left_out = left_out  # incomplete groups, under incomplete="skip": why each
         self.names = [name for name, _ in found]
@@ -76,7 +122,7 @@ class Groups:
         self.classes: tuple[str, ...] | None = None
         self._labels: list[int] | None = None
         if labels is not None:
-            self._join_labels(labels, label_key, label_field, classes, incomplete)
+            self._join_labels(labels, incomplete)
 
     def _leave_out(self, names: set[str], why: str) -> None:
         log.warning("leaving out %d groups under %s: %s", len(names), self.root, why)
@@ -97,28 +143,14 @@ class Groups:
     def identities(self, indices: Sequence[int]) -> list[tuple[str, str, int | None]]:
         return [(s.url, s.version, s.label) for s in map(self.__getitem__, indices)]
 
-    blocks = None
-    reader_version = ""  # a group's version follows its members and their order
-
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
         return read_objects(samples, fetcher, _members)
 
-    def _join_labels(
-        self,
-        labels: LabelSource,
-        label_key: str,
-        label_field: str,
-        classes: Sequence[str] | None,
-        incomplete: Incomplete,
-    ) -> None:
-        if callable(labels) and not isinstance(labels, (str, Path, Mapping)):
-            table: Mapping[str, int | str] = {name: labels(name) for name in self.names}
-        elif labels == "folders":
-            table = {name: _folder(name) for name in self.names}
-        elif isinstance(labels, Mapping):
-            table = labels
-        else:
-            table = read_labels(Path(labels), label_key, label_field)
+    def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
+        return parts_bytes(self, indices)
+
+    def _join_labels(self, labels: Labels, incomplete: Incomplete) -> None:
+        table = label_table(labels, self.names, _folder)
         prefix = self.root + "/"
         table = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in table.items()}
         absent = [name for name in self.names if name not in table]
@@ -135,9 +167,46 @@ class Groups:
         if absent:
             self._leave_out(set(absent), "incomplete group, no label")
         self._labels, names = label_codes(
-            [table[name] for name in self.names], self.root, self.names, classes
+            [table[name] for name in self.names], self.root, self.names, labels.classes
         )
         self.classes = None if names is None else tuple(names)
+
+
+def _grouping(
+    rule: str, groups: Sequence[tuple[str, Sequence[int]]], left_out: Sequence[str]
+) -> Kept:
+    """A grouping as the manifest keeps it: each group's name, the entry indices of its
+    members (``members[ends[i-1]:ends[i]]``), and the groups left out, each with why."""
+    names, gone = Strings.of([name for name, _ in groups]), Strings.of(left_out)
+    arrays = {
+        "name_blob": names.blob,
+        "name_ends": names.ends,
+        "members": np.asarray([i for _, idx in groups for i in idx], dtype=np.int64),
+        "ends": np.cumsum([len(idx) for _, idx in groups], dtype=np.int64),
+        "left_out_blob": gone.blob,
+        "left_out_ends": gone.ends,
+    }
+    return Kept(rule, arrays)
+
+
+def _saved_grouping(
+    manifest: Manifest, rule: str | None
+) -> tuple[list[tuple[str, list[int]]], list[str]] | None:
+    """The groups (and those left out) ``manifest`` keeps, when ``rule`` made them and they
+    fit its entries; a grouping saved before left-out groups were kept has another rule."""
+    kept = manifest.kept.get(_SLOT)
+    if kept is None or rule is None or kept.tag != rule:
+        return None
+    arrays = kept.arrays
+    members, ends = arrays["members"], arrays["ends"]
+    if len(members) and (int(members.max()) >= len(manifest) or int(members.min()) < 0):
+        return None
+    names = Strings(arrays["name_blob"], arrays["name_ends"]).tolist()
+    left_out = Strings(arrays["left_out_blob"], arrays["left_out_ends"]).tolist()
+    starts = [0, *ends[:-1].tolist()]
+    listed = members.tolist()
+    groups = [(n, listed[a:b]) for n, a, b in zip(names, starts, ends.tolist(), strict=True)]
+    return groups, left_out
 
 
 def _rule(group_by: GroupRule, incomplete: Incomplete, members: object) -> str | None:
@@ -174,22 +243,22 @@ def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[in
         try:
             name = name_of(key)
         except Exception as exc:  # the user's callable
-            raise ConfigError(f"group_by failed on {key!r}: {type(exc).__name__}: {exc}") from exc
+            raise ConfigError(f"Groups by= failed on {key!r}: {type(exc).__name__}: {exc}") from exc
         if name is None:
             left_out.append(key)
         elif not isinstance(name, str) or not name:
             what = "the empty group name" if name == "" else "a group name that is not a str,"
-            raise ConfigError(f"group_by gave {what} {name!r} for {key!r} (None leaves it out)")
+            raise ConfigError(f"Groups by= gave {what} {name!r} for {key!r} (None leaves it out)")
         else:
             groups.setdefault(name, []).append(i)
     if not groups:
         raise ConfigError(
-            f"group_by {_describe(group_by)} matches none of the {len(keys)} objects under "
+            f"Groups by={_describe(group_by)} matches none of the {len(keys)} objects under "
             f"{root} (keys look like {keys[:3]})"
         )
     if _names_a_suffix(group_by, groups, keys):
         raise ConfigError(
-            f"group_by {_describe(group_by)} has no capture group, so its whole match names "
+            f"Groups by={_describe(group_by)} has no capture group, so its whole match names "
             f"each group, and here that is the end of every key ({sorted(groups)[:3]}): it names "
             f"what differs within a sample (a channel), not the sample. Put the part that names "
             rf"a sample in a group: e.g. r'^(.*)_ch\d\.tiff$'"
@@ -197,12 +266,12 @@ def _group(keys: list[str], root: str, group_by: GroupRule) -> dict[str, list[in
     if len(groups) == 1 and len(keys) > 1:
         (name,) = groups
         raise ConfigError(
-            f"group_by {_describe(group_by)} puts all {len(keys) - len(left_out)} objects "
+            f"Groups by={_describe(group_by)} puts all {len(keys) - len(left_out)} objects "
             f"under {root} in one group, {name!r}: is the group part of the pattern too short?"
         )
     if left_out:
         log.warning(
-            "group_by %s leaves out %d of %d objects under %s (not samples): %s",
+            "Groups by=%s leaves out %d of %d objects under %s (not samples): %s",
             _describe(group_by),
             len(left_out),
             len(keys),
@@ -226,11 +295,11 @@ def _namer(group_by: GroupRule) -> Callable[[str], str | None]:
     if callable(group_by) and not isinstance(group_by, (str, re.Pattern)):
         return group_by
     if not isinstance(group_by, (str, re.Pattern)):
-        raise ConfigError(f"group_by must be a regex or a callable, got {group_by!r}")
+        raise ConfigError(f"Groups by= must be a regex or a callable, got {group_by!r}")
     try:
         pattern = re.compile(group_by)
     except re.error as exc:
-        raise ConfigError(f"group_by is not a valid regular expression: {exc}") from exc
+        raise ConfigError(f"Groups by= is not a valid regular expression: {exc}") from exc
 
     def name_of(key: str) -> str | None:
         found = pattern.search(key)

@@ -20,19 +20,21 @@ from __future__ import annotations
 import io
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
 
 from fastload._extras import import_extra
+from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, ShardError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest, Strings
+from fastload.sources import Opening, Source
 from fastload.sources._chunks import Chunk
-from fastload.sources._shards import Shards
+from fastload.sources._shards import Shards, check_chunks
 
-__all__ = ["ParquetShards"]
+__all__ = ["Parquet", "ParquetShards"]
 
 INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
 _MAGIC = b"PAR1"
@@ -44,6 +46,47 @@ _SPAN_GAP = 1 << 20  # bytes between chosen columns read rather than skipped (a 
 class _RowGroup:
     columns: dict[str, np.ndarray]
     nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class Parquet(Source):
+    """Many samples in each parquet file, read in place (see the module docstring and
+    :class:`Source` for ``where``, ``pattern``, ``manifest_path`` and ``reuse_listing``).
+
+    row_key: each run of rows sharing a value of this column is one sample
+        (``{column: array}``), e.g. the pulses of one ``event_id``; by default a row is one.
+    columns: read only these columns (a row holds them alone; the bytes of the others are not
+        fetched).
+    chunks: how row groups are read whole and kept in memory (a :class:`fastload.ChunkConfig`;
+        default :meth:`ChunkConfig.from_env`).
+
+    ``on_error="skip"`` also leaves out a file that cannot be indexed, naming it.
+    """
+
+    _: KW_ONLY
+    row_key: str | None = None
+    columns: Sequence[str] | None = None
+    chunks: ChunkConfig | None = None
+
+    name = "parquet"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _chosen(self.columns)
+        if self.row_key is not None and not isinstance(self.row_key, str):
+            raise ConfigError(f"row_key must be a column name, got {self.row_key!r}")
+        check_chunks(self.chunks)
+
+    def open(self, manifest: Manifest, opening: Opening) -> ParquetShards:
+        return ParquetShards(
+            manifest,
+            opening.fetcher,
+            row_key=self.row_key,
+            columns=self.columns,
+            cache=opening.cache,
+            config=self.chunks,
+            on_error=opening.on_error,
+        )
 
 
 class ParquetShards(Shards):
@@ -327,7 +370,7 @@ def _numpy(column: Any) -> np.ndarray:
     None; a list column with integer nulls inside has object arrays for rows; a struct or map
     column is its rows' Python values.
     """
-    arrow = import_extra("pyarrow", extra="parquet", feature="shards='parquet'")
+    arrow = import_extra("pyarrow", extra="parquet", feature="fastload.Parquet")
     if arrow.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
     kind, whole = column.type, column.combine_chunks()
@@ -364,7 +407,7 @@ def _is_list(types: Any, kind: Any) -> bool:
 
 
 def _parquet() -> Any:
-    return import_extra("pyarrow.parquet", extra="parquet", feature="shards='parquet'")
+    return import_extra("pyarrow.parquet", extra="parquet", feature="fastload.Parquet")
 
 
 def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
@@ -421,7 +464,7 @@ def _chosen(columns: Sequence[str] | None) -> tuple[str, ...] | None:
 
 def _columns(meta: Any, chosen: tuple[str, ...] | None) -> dict[str, str]:
     """The type of each column read (all when ``chosen`` is None) of a file, by name."""
-    types = import_extra("pyarrow", extra="parquet", feature="shards='parquet'").types
+    types = import_extra("pyarrow", extra="parquet", feature="fastload.Parquet").types
     return {
         field.name: _kind(types, field.type)
         for field in meta.schema.to_arrow_schema()

@@ -25,17 +25,24 @@ import re
 import tarfile
 import zlib
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
+from fastload.config import ChunkConfig
 from fastload.errors import ConfigError, ShardError
 from fastload.fetcher import Fetcher
-from fastload.manifest import Entry, Strings
+from fastload.manifest import Entry, Manifest, Strings
+from fastload.sources import DecodeSpec, Opening, Source
 from fastload.sources._complete import Incomplete, Members, check_policy, incomplete_sets
-from fastload.sources._shards import Shards
+from fastload.sources._indexes import SLOT
+from fastload.sources._shards import Shards, check_chunks
+from fastload.sources.groups import group_decoder
 
-__all__ = ["TarShards"]
+__all__ = ["Tar", "TarShards"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,102 @@ _NOT_SAMPLES = re.compile(r"^(?:.*/)?(?:\.[^/]*|__[^/]*__)$")
 _MIN_WINDOW, _MAX_WINDOW = 64 << 10, 16 << 20
 _SHOWN = 5  # samples named in a message
 _GAP = 256 << 10  # a window starting at most this far past the last starts at its end
+
+
+@dataclass(frozen=True, eq=False)
+class Tar(Source):
+    """Many samples in each ``.tar`` object, read in place (see the module docstring and
+    :class:`Source` for ``where``, ``pattern``, ``manifest_path`` and ``reuse_listing``).
+
+    members: the extensions every sample has (``["jpg", "cls"]``) or their number, instead
+        of what most samples have.
+    incomplete: a sample that lacks an extension most have, or has an extra one: ``"raise"``
+        names it, ``"skip"`` leaves it out (named in ``stats()``), ``"accept"`` keeps it.
+    chunks: how runs of samples are read whole and kept in memory (a
+        :class:`fastload.ChunkConfig`; default :meth:`ChunkConfig.from_env`).
+
+    ``decode`` receives ``{extension: bytes}``, or decodes each member by pattern
+    (``decode={"jpg": "image", "cls": int}``). ``on_error="skip"`` also leaves out a shard
+    that cannot be indexed, naming it.
+    """
+
+    _: KW_ONLY
+    members: Members = None
+    incomplete: Incomplete = "raise"
+    chunks: ChunkConfig | None = None
+
+    name = "tar"
+    by_member = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_policy(self.incomplete, self.members)
+        check_chunks(self.chunks)
+
+    def open(self, manifest: Manifest, opening: Opening) -> TarShards:
+        return TarShards(
+            manifest,
+            opening.fetcher,
+            cache=opening.cache,
+            config=self.chunks,
+            on_error=opening.on_error,
+            incomplete=self.incomplete,
+            members=self.members,
+        )
+
+    def decoder(self, decode: DecodeSpec) -> Callable[[Any], Any]:
+        return super().decoder(None) if decode is None else group_decoder(decode)
+
+    def warm_part(self, manifest: Manifest, part: tuple[int, int]) -> Manifest | None:
+        """Whole shards: every count-th tar shard from i, and every object that is not one
+        (the reader names or leaves those out on each host as for the whole). None where
+        splitting by chunk is better: fewer shards than parts, or a manifest that keeps the
+        shards' indexes (indexing reads nothing).
+
+        Indexing a tar shard of small members reads it whole, so each host that indexed every
+        shard to warm its own chunks read the whole dataset; by shard, each reads its shards
+        once."""
+        index, count = part
+        if count == 1 or SLOT in manifest.kept:
+            return None
+        keys: list[str] = manifest.keys()
+        tars = [key for key in keys if key.lower().endswith(TarShards.suffixes)]
+        if len(tars) < count:
+            return None
+        others = set(tars) - set(tars[index::count])
+        return manifest.filter(lambda entry: entry.key not in others)
+
+    def warm_rounds(self, manifest: Manifest, memory_bytes: int) -> list[Manifest]:
+        """Runs of the manifest whose shards are small enough for the reader to keep whole
+        what indexing read of them (at most ``memory_bytes`` over a run's shards, each its
+        equal share): warming a run then reads none of its shards again. The objects that are
+        not tar shards go with the shards beside them; a manifest that keeps the shards'
+        indexes (indexing reads nothing) is one run.
+
+        Indexing every shard before warming any keeps only ``memory_bytes`` of what it read,
+        so a dataset of small members larger than that was read twice: to index it, and to
+        warm it."""
+        if SLOT in manifest.kept:
+            return [manifest]
+        keys: list[str] = manifest.keys()
+        sizes = manifest.sizes.tolist()
+        starts: list[int] = []  # where each run's first shard is, from the last run back
+        count = largest = 0
+        # from the last shard back: the run that comes out short is the first, not the last
+        # (a last shard of a few samples, or none, would be a dataset of no samples on its own)
+        for at in range(len(keys) - 1, -1, -1):
+            if not keys[at].lower().endswith(TarShards.suffixes):
+                continue
+            if count and (count + 1) * max(largest, sizes[at]) > memory_bytes:
+                count = largest = 0
+            if count:
+                starts[-1] = at
+            else:
+                starts.append(at)
+            count += 1
+            largest = max(largest, sizes[at])
+        bounds = [0, *reversed(starts[:-1]), len(keys)]
+        return [manifest[a:b] for a, b in pairwise(bounds)]
 
 
 class TarShards(Shards):
