@@ -23,6 +23,7 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 import fastload
 from fastload import ConfigError, PermutationSampler, WeightedSampler
+from fastload._lookahead import Lookahead
 from fastload.testing import free_port
 from tests.conftest import BUCKET, write
 
@@ -208,7 +209,7 @@ def test_fastload_samplers_say_they_shard_themselves(tmp_path: Path) -> None:
     assert isinstance(plain.sampler, DistributedSampler)
     cached = fastload.CachedDataset(Numbers(), fastload.Cache(tmp_path))
     ahead = fastload.DataLoader(cached, batch_size=10, num_workers=0)
-    assert isinstance(ahead.sampler, fastload.loader._Lookahead)  # it caches ahead
+    assert isinstance(ahead.sampler, Lookahead)  # it caches ahead
     assert isinstance(ahead.sampler, DistributedSampler)
     ahead.sampler.set_epoch(3)
     assert ahead.sampler.lookahead_source.epoch == 3

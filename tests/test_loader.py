@@ -13,7 +13,8 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,12 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler
 
 import fastload
 from fastload import Cache, ConfigError, DecodeError, PermutationSampler, RemoteDataset
-from fastload.loader import _Ahead, _fork_safe_context, _Pass, default_workers
+from fastload._contract import BatchHead, Filled, opened
+from fastload._lookahead import Plan, _Pass
+from fastload._workers import fork_safe_context
+from fastload.loader import default_workers
 from fastload.stall import _first_batch_why
+from fastload.stats import StageCounters
 from fastload.stores import filesystem
 from fastload.testing import FaultProxy, Faults, S3Server
 from tests.conftest import BUCKET
@@ -311,8 +316,8 @@ def test_the_loading_thread_stays_while_the_steps_leave_it_work() -> None:
 
 
 def test_forkserver_only_where_it_is_a_drop_in(tmp_path: Path) -> None:
-    assert _fork_safe_context(Numbers(3)) is multiprocessing.get_context("forkserver")
-    assert _fork_safe_context(lambda: 1) is None  # does not pickle: fork
+    assert fork_safe_context(Numbers(3)) is multiprocessing.get_context("forkserver")
+    assert fork_safe_context(lambda: 1) is None  # does not pickle: fork
     # a script without a __main__ guard would rerun itself in forkserver workers: fork instead
     script = tmp_path / "unguarded.py"
     script.write_text(
@@ -391,8 +396,8 @@ def test_workers_fork_for_datasets_of_tensors_or_large_arrays() -> None:
     assert loader.multiprocessing_context is None
     assert sorted(int(v) for batch in loader for v in batch[:, 0]) == list(range(300))
     big = [np.zeros(2**20, np.float64) for _ in range(9)]  # 72 MiB
-    assert _fork_safe_context(big) is None
-    assert _fork_safe_context(big[:1]) is multiprocessing.get_context("forkserver")
+    assert fork_safe_context(big) is None
+    assert fork_safe_context(big[:1]) is multiprocessing.get_context("forkserver")
 
 
 @pytest.fixture
@@ -530,7 +535,7 @@ def test_once_a_pass_leaves_every_sample_cached_the_next_is_read_without_workers
     assert filling.fills
     three = passes(filling, 3)
     assert three == passes(plain, 3)  # same batches, same order, each pass reshuffled
-    looked_there = filling._worker_counters.cache.hits  # workers' lookups of cached samples
+    looked_there = filling._returns.counters.cache.hits  # workers' lookups of cached samples
     if cores == 16:  # the warm passes went through the workers, which looked every sample up
         assert looked_there >= 100
         return
@@ -673,11 +678,9 @@ def test_filled_samples_removed_from_a_cache_without_budget_are_made_again_and_s
         np.save(tmp_path / "data" / f"{i}.npy", np.full(4, i, np.int16))
     cache = Cache(tmp_path / "cache")
     dataset = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy", cache=cache)
-    dataset.fills_only = True
-    filled = dataset.__getitems__([6, 1, 3])
-    assert isinstance(filled, fastload.dataset.Filled)
+    filled = dataset.__getitems__([BatchHead(6, fill=True), 1, 3])  # as a worker gets it
+    assert isinstance(filled, Filled)
     cache.clear()
-    dataset.fills_only = False
     with caplog.at_level(logging.WARNING, logger="fastload.dataset"):
         assert [int(x[0]) for x in dataset.read_filled(filled)] == [6, 1, 3]
     said = [r.message for r in caplog.records if "gone before the loop's process" in r.message]
@@ -700,28 +703,31 @@ def test_a_filling_worker_on_a_warm_streak_leaves_the_look_to_the_loop(
     dataset = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy", cache=cache)
     dataset.warm(range(8))
     worker = pickle.loads(pickle.dumps(dataset))  # a worker's copy: counters of its own
-    worker.fills_only = True
+
+    def fill(*indices: int) -> Any:  # a batch as a filling worker gets it
+        return worker.__getitems__([BatchHead(indices[0], fill=True), *indices[1:]])
+
     for _ in range(module._WARM_STREAK):
-        filled = worker.__getitems__([0, 1])
-        assert isinstance(filled, fastload.dataset.Filled) and filled.looked
+        filled = fill(0, 1)
+        assert isinstance(filled, Filled) and filled.looked
     assert worker.cache.counters.hits == 2 * module._WARM_STREAK
     cache.delete(dataset._cache_names([5])[0])
     hits, misses = cache.counters.hits, cache.counters.misses
     with caplog.at_level(logging.WARNING, logger="fastload.dataset"):
         for _ in range(module._WARM_PROBE - 1):
-            filled = worker.__getitems__([5, 2])
-            assert isinstance(filled, fastload.dataset.Filled) and not filled.looked
+            filled = fill(5, 2)
+            assert isinstance(filled, Filled) and not filled.looked
             assert [int(x[0]) for x in dataset.read_filled(filled)] == [5, 2]
     assert not [r for r in caplog.records if "gone before" in r.message]
     assert cache.counters.misses == misses + 1  # made by the first read; the later ones hit
     assert cache.counters.hits == hits + 2 * (module._WARM_PROBE - 1) - 1
     assert worker.cache.counters.hits == 2 * module._WARM_STREAK  # the worker did not look
     cache.delete(dataset._cache_names([6])[0])
-    filled = worker.__getitems__([6])  # the probe
-    assert isinstance(filled, fastload.dataset.Filled) and filled.looked
+    filled = fill(6)  # the probe
+    assert isinstance(filled, Filled) and filled.looked
     assert dataset._cache_names([6])[0] in cache  # made by the worker
     cache.delete(dataset._cache_names([7])[0])
-    assert worker.__getitems__([7]).looked  # looking at every batch again
+    assert fill(7).looked  # looking at every batch again
     assert dataset._cache_names([7])[0] in cache
 
 
@@ -820,23 +826,35 @@ def test_the_shuffle_follows_seed_and_says_so_when_a_generator_is_given(
 
 
 class Prefetching(Dataset[int]):
-    """A caching dataset's lookahead seam, recording what was asked for and when."""
+    """A dataset that keeps the loader's contract (:class:`fastload._contract.LoaderDataset`)
+    with a cache it only pretends to have, recording what was asked for and when."""
 
     cache = "a cache"
+    blocks = None
+    listing_check = None
 
     def __init__(self, n: int) -> None:
         self.n, self.events = n, []  # type: list[tuple[str, list[int]]]
+        self.counters = StageCounters()
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, index: int) -> int:
-        self.events.append(("get", [index]))
-        return index
+    def __getitem__(self, index: int | BatchHead) -> int:
+        return self.__getitems__([index])[0]
 
-    def prefetch(self, indices: list[int]) -> Any:
-        from concurrent.futures import Future
+    def __getitems__(self, indices: Sequence[int | BatchHead]) -> list[int]:
+        plain, _ = opened(indices)
+        self.events.append(("get", list(plain)))
+        return list(plain)
 
+    def fillable(self) -> bool:
+        return False
+
+    def read_filled(self, filled: Filled) -> list[Any]:
+        raise AssertionError(f"nothing is filled here: {filled.indices}")
+
+    def prefetch(self, indices: Sequence[int]) -> Future[None]:
         self.events.append(("prefetch", list(indices)))
         done: Future[None] = Future()
         done.set_result(None)
@@ -870,22 +888,31 @@ def test_with_workers_each_batch_names_one_further_on_to_cache(mode: str) -> Non
     least ``lookahead`` + the workers' share of batches earlier; indices stay the same."""
     group, depth, handed = (4, 2, 3)
     batches = [list(range(i, i + group)) for i in range(0, 48, group)]
-    one = _Pass(lambda batch: None, depth, handed)  # type: ignore[arg-type,return-value]
-    if mode == "sampler":
+
+    def handed_out(plan: Plan) -> list[list[Any]]:
+        one = _Pass(plan, workers=True)
+        if mode == "batch_sampler":
+            return list(one.run(iter(batches), 0))
         flat = list(one.run(iter(range(48)), group))
-        given = [flat[i : i + group] for i in range(0, 48, group)]
-    else:
-        given = list(one.run(iter(batches), 0))
-    assert [[int(i) for i in b] for b in given] == batches
+        return [flat[i : i + group] for i in range(0, 48, group)]
+
+    given = handed_out(Plan(Prefetching(48).prefetch, depth, handed))
+    assert [list(opened(b)[0]) for b in given] == batches
     named = {
-        n: batches.index(list(b[0].lookahead))
+        n: batches.index(list(b[0].ahead))
         for n, b in enumerate(given)
-        if isinstance(b[0], _Ahead)
+        if isinstance(b[0], BatchHead)
     }
     assert sorted(named.values()) == list(range(min(named.values()), len(batches)))
     assert all(later - n >= depth + handed - 1 for n, later in named.items())
-    assert all(not isinstance(i, _Ahead) for b in given for i in b[1:])
-    assert pickle.loads(pickle.dumps(given[0][0])).lookahead == given[0][0].lookahead
+    assert not any(given[n][0].fill for n in named)  # the workers read these themselves
+    assert all(not isinstance(i, BatchHead) for b in given for i in b[1:])
+    assert pickle.loads(pickle.dumps(given[0][0])) == given[0][0]
+    # workers that only fill the cache are told so by every batch, with a lookahead or not
+    for plan in (Plan(None, 0, handed, fill=True), Plan(Prefetching(48).prefetch, 1, 2, True)):
+        filling = handed_out(plan)
+        assert [list(opened(b)[0]) for b in filling] == batches
+        assert all(isinstance(b[0], BatchHead) and b[0].fill for b in filling)
 
 
 def test_the_samplers_own_methods_pass_through_the_lookahead() -> None:
@@ -898,20 +925,105 @@ def test_the_samplers_own_methods_pass_through_the_lookahead() -> None:
     assert sorted(first) == list(range(16)) and len(loader.sampler) == 16  # type: ignore[arg-type]
 
 
-def test_forked_workers_wait_for_a_running_listing_check() -> None:
+class Recording:
+    """A batch sampler around another that records each batch it hands out, as Lightning's
+    predict wraps a loader's (``_IndexBatchSamplerWrapper``) to name each prediction's samples."""
+
+    def __init__(self, batches: torch.utils.data.BatchSampler) -> None:
+        self.batches, self.seen = batches, []  # type: Any, list[list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        for batch in self.batches:
+            self.seen.append(list(batch))
+            yield batch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_rebuilt_around_another_loaders_sampler_looks_ahead_once(workers: int) -> None:
+    """Lightning's predict builds a new loader around the old one's sampler (a lookahead), in a
+    batch sampler of its own that records each batch's indices: it records plain indices (not
+    what the loader tells its workers), and each batch is prefetched once, not once by each
+    loader's lookahead (the old loader's only passes the indices through)."""
+    data = Prefetching(24)
+    first = fastload.DataLoader(data, batch_size=4, num_workers=workers, lookahead=2)
+    recorder = Recording(torch.utils.data.BatchSampler(first.sampler, 4, drop_last=False))
+    rebuilt = fastload.DataLoader(data, batch_sampler=recorder, num_workers=workers, lookahead=2)
+    assert sorted(int(x) for batch in rebuilt for x in batch) == list(range(24))
+    assert recorder.seen == [list(range(i, i + 4)) for i in range(0, 24, 4)]
+    assert all(type(i) is int for batch in recorder.seen for i in batch)
+    if not workers:  # (a worker's prefetches are its copy's)
+        asked = [tuple(i) for kind, i in data.events if kind == "prefetch"]
+        assert asked == [tuple(range(i, i + 4)) for i in range(0, 24, 4)]
+
+
+def test_a_dataset_with_only_part_of_the_contract_is_loaded_as_torch_loads_it() -> None:
+    """Whether a dataset keeps the loader's side of the contract is checked once, when the
+    loader is made: one with only some of its members (a cache and a prefetch here) is loaded
+    as torch's loader would, its members left alone."""
+
+    class Partial(Numbers):
+        cache = "a cache"
+
+        def prefetch(self, indices: Sequence[int]) -> Future[None]:
+            raise AssertionError("not part of torch's protocol")
+
+    loader = fastload.DataLoader(Partial(8), batch_size=4, num_workers=0)
+    assert labels(loader) == list(range(8)) and loader.counters is None
+
+
+class ReadsAtStart:
+    """A ``worker_init_fn`` that reads two samples through the worker's dataset, as a user's
+    may (to check a sample, to warm up), and writes what it got."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        got = info.dataset.__getitems__([0, 1])  # type: ignore[attr-defined]
+        said = [int(x[0]) for x in got] if isinstance(got, list) else type(got).__name__
+        (self.folder / f"worker-{worker_id}").write_text(repr(said))
+
+
+def test_a_workers_copy_of_the_dataset_gives_its_samples_to_anyone_who_asks(
+    tmp_path: Path,
+) -> None:
+    """Workers that only fill the cache answer the loader with markers, but the dataset in a
+    worker is the user's too: read there (in a worker_init_fn), it gives samples. The loader
+    set its worker's copy to fill, and a user's read in a worker got a marker, not samples."""
+    (tmp_path / "data").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "data" / f"{i}.npy", np.full(2, i, np.int16))
+    dataset = RemoteDataset(
+        f"file://{tmp_path / 'data'}", decode="npy", cache=Cache(tmp_path / "cache")
+    )
+    loader = fastload.DataLoader(
+        dataset, batch_size=4, num_workers=2, worker_init_fn=ReadsAtStart(tmp_path)
+    )
+    assert loader.fills
+    assert sorted(int(x[0]) for batch in loader for x in batch) == list(range(8))
+    assert [(tmp_path / f"worker-{w}").read_text() for w in (0, 1)] == ["[0, 1]"] * 2
+
+
+def test_forked_workers_wait_for_a_running_listing_check(tmp_path: Path) -> None:
     """A worker forked while the dataset's listing check talks to the store would copy its
     half-used connections (R3 hung so): fork waits for the check; forkserver need not."""
-    from concurrent.futures import Future
-
-    data = Numbers(8)
-    check: Future[None] = Future()
-    data.listing_check = check  # type: ignore[attr-defined]
+    (tmp_path / "data").mkdir()
+    for i in range(8):
+        np.save(tmp_path / "data" / f"{i}.npy", np.full(2, i, np.int16))
+    data = RemoteDataset(f"file://{tmp_path / 'data'}", decode="npy")
+    check: Future[Any] = Future()
+    data.listing_check = check  # as a saved listing's check, still talking to the store
     threading.Timer(0.3, check.set_result, args=(None,)).start()
     loader = fastload.DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="fork")
     batches = iter(loader)  # the pass (and the workers' start) begins at the first batch
-    _, first = next(batches)
+    first = next(batches)
     assert check.done()
-    assert len(first) + sum(len(y) for _, y in batches) == 8
+    assert len(first) + sum(len(b) for b in batches) == 8
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
+from fastload._contract import BatchHead, Filled, opened
 from fastload._handoff import Handoff
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
@@ -77,22 +78,6 @@ def _unlooked(found: int) -> bool:
     return found > _WARM_STREAK and found % _WARM_PROBE != 0
 
 
-class Filled:
-    """A DataLoader worker's answer for a batch whose samples it has made and cached: the
-    loop's process reads them from the cache (``indices``: positions in the dataset).
-    ``looked``: whether the worker looked at the cache (and counted its hits and misses); a
-    worker on a warm streak does not, and the loop's process counts them and makes what is
-    missing."""
-
-    __slots__ = ("indices", "looked")
-
-    def __init__(self, indices: list[int], looked: bool = True) -> None:
-        self.indices, self.looked = indices, looked
-
-    def __reduce__(self) -> tuple[type[Filled], tuple[list[int], bool]]:
-        return Filled, (self.indices, self.looked)
-
-
 def _why_remade(max_bytes: int | None) -> str:
     """What evicts a filled batch before its read: the budget, or (with none) something else."""
     if max_bytes is None:
@@ -110,6 +95,7 @@ def _why_remade(max_bytes: int | None) -> str:
 class _Batched(Dataset[Any]):
     """What both datasets share: a batch of indices in, its samples out; ``on_error``,
     ``augment``, ``limit``, ``warm``, ``prefetch`` (the loader's lookahead) and the counters.
+    It keeps the dataset's side of :class:`fastload._contract.LoaderDataset`.
 
     A subclass makes the samples of a batch (:meth:`_items`: a failure sits in its slot as an
     exception) and names them (:meth:`_cache_names` for the cache, :meth:`_display` in reports).
@@ -125,10 +111,8 @@ class _Batched(Dataset[Any]):
     _labelled: bool = False
     _warm_batches = 0  # prefetched batches since one had a sample missing from the cache
     _filled_batches = 0  # batches a filling worker found cached since one had a sample missing
-    fills_only = False
-    """Set in a fastload.DataLoader worker when the loop's process reads the cache itself
-    (``loader.fills``): a batch's samples are made and cached here, and the answer is
-    :class:`Filled`."""
+    listing_check: Future[ManifestChanges] | None = None
+    """RemoteDataset's listing of the store again, in the background (None: none running)."""
     _remade_said = False  # the warning of _remaking, once per process
 
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
@@ -194,23 +178,30 @@ class _Batched(Dataset[Any]):
     def __len__(self) -> int:
         return self._length
 
-    def __getitem__(self, index: int) -> Any:
-        positions = self._positions([index])
+    @property
+    def blocks(self) -> np.ndarray | None:
+        """The first sample of each chunk read as one, for shard-aware shuffling (None: each
+        sample is read on its own)."""
+        return None
+
+    def __getitem__(self, index: int | BatchHead) -> Any:
+        positions, _ = self._positions([index])
         return self._settled(positions, self._items(positions))[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any] | Filled:
-        positions = self._positions(indices)
-        items = self._fill(positions) if self.fills_only else self._items(positions)
+    def __getitems__(self, indices: Sequence[int | BatchHead]) -> list[Any] | Filled:
+        positions, fill = self._positions(indices)
+        items = self._fill(positions) if fill else self._items(positions)
         return items if isinstance(items, Filled) else self._settled(positions, items)
 
-    def _positions(self, indices: Sequence[int]) -> list[int]:
-        """Checked positions of ``indices``; a batch from a fastload.DataLoader's worker (its
-        first index a loader._Ahead) also has a batch further on cached in the background,
-        which another worker may read: nothing is held."""
-        lookahead = getattr(indices[0], "lookahead", None) if len(indices) else None
-        if lookahead and self.cache is not None:
-            self._prefetch(lookahead, hold=False)
-        return [self._index(i) for i in indices]
+    def _positions(self, indices: Sequence[int | BatchHead]) -> tuple[list[int], bool]:
+        """Checked positions of ``indices``, and whether to only fill the cache with their
+        samples: a batch a fastload.DataLoader hands a worker may start with a
+        :class:`BatchHead` that says so, and names a batch further on to cache in the
+        background (which another worker may read: nothing is held)."""
+        plain, head = opened(indices)
+        if head is not None and head.ahead and self.cache is not None:
+            self._prefetch(head.ahead, hold=False)
+        return [self._index(i) for i in plain], head is not None and head.fill
 
     def _settled(self, positions: list[int], items: list[Any]) -> list[Any]:
         """``items`` with their failures raised or skipped, counted, augmented."""

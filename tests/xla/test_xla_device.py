@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload import ConfigError, DeviceLoader, PermutationSampler  # noqa: E402
+from fastload._lookahead import Lookahead  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
@@ -69,7 +70,7 @@ def test_a_sampler_sharded_for_another_world_is_refused(cached: bool, tmp_path: 
     if cached:
         data = fastload.CachedDataset(data, fastload.Cache(tmp_path))
     loader = fastload.DataLoader(data, sampler=PermutationSampler(10, rank=1, world_size=2))
-    assert isinstance(loader.sampler, fastload.loader._Lookahead) is cached
+    assert isinstance(loader.sampler, Lookahead) is cached
     with pytest.raises(ConfigError, match="shard 1/2 but this is XLA ordinal 0 of 1"):
         DeviceLoader(loader, "xla")
 
