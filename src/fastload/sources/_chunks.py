@@ -6,30 +6,29 @@ process keeps the most recently used ones in memory (``ChunkConfig.memory_bytes`
 batches that a shard-aware sampler draws from one chunk cost one read between them. Two
 threads that want one chunk at once (the loop and the loader's lookahead) share one read. An
 order that is not shard-aware over more chunks than memory holds reads a chunk for nearly every
-sample: a warning says so, once per process.
+sample: a warning says so, once per process. Where the samples are cached (``drop_served``), a
+chunk whose samples have all been served is let go: the next epoch reads them from the cache.
 
 DataLoader workers get the batches of one chunk in turn, so without more each worker would
-read every chunk. Each reader therefore has a scratch :class:`fastload.Cache` (in ``/dev/shm``
-where it has room for ``memory_bytes``, else in the temporary folder; bounded by
-``memory_bytes``; removed when the process that made it exits, or if that process was killed,
-by the next that makes one) that the processes it is copied into (forked or pickled workers)
-share: a chunk is fetched by the first worker that wants it and read from there by the others.
-Chunks this process was given already (:meth:`ChunkReader.seed`: what indexing read) go there
-when the reader is pickled for a worker, so workers that start by pickling (forkserver, spawn)
-do not read them again; forked workers have them in the memory they share. A scratch cache that
-cannot be written (a full disk) costs only the sharing: the workers then read chunks
-themselves, and say so once.
+read every chunk, and hold a copy of each. Instead the reader's processes share chunks through
+its :class:`~fastload.sources._scratch.Scratch` folder (in ``/dev/shm``): a chunk is read by the
+first worker that wants it into a file there, and every worker maps that file, so its bytes are
+in memory once (see that module). Chunks this process was given already (:meth:`ChunkReader.seed`:
+what indexing read) go there when the reader is pickled for a worker, so workers that start by
+pickling (forkserver, spawn) do not read them again, and this process then lets its own copies
+go; forked workers have them in the memory they share. Without workers a process reads and keeps
+chunks in its own memory. A scratch folder that cannot be written (a full disk) costs only the
+sharing: the workers then read chunks themselves, and say so once.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
-import shutil
-import tempfile
 import threading
-import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from fastload.cache import Cache
-from fastload.cache._locks import lock_whole
 from fastload.errors import CacheError, ShardError
 from fastload.fetcher import Fetcher, Request
+from fastload.sources._scratch import Scratch
+from fastload.sources._scratch import in_memory as _in_memory  # noqa: F401 (tests import it here)
 
 __all__ = ["Chunk", "ChunkReader"]
 
@@ -73,7 +72,8 @@ class ChunkReader:
 
     ``load(chunk, body)`` turns a chunk's bytes into what the source slices samples from (it
     runs once per read; an exception it raises becomes that chunk's failure, not cached), and
-    ``weigh`` gives the bytes a loaded chunk holds in memory.
+    ``weigh`` gives the bytes a loaded chunk holds in memory. ``drop_served``: the samples
+    served are cached, so a chunk whose samples have all been served is let go.
     """
 
     def __init__(
@@ -84,20 +84,25 @@ class ChunkReader:
         *,
         samples: np.ndarray,
         root: str,
+        drop_served: bool = False,
     ) -> None:
         self.memory_bytes = memory_bytes
         self._load, self._weigh = load, weigh
         # the samples in each chunk (by Chunk.index), which judge the order they are read in
         self._samples, self._root = samples, root
+        self._drop_served = drop_served
         self._owner = os.getpid()
-        self.shared = _scratch(memory_bytes, self._owner)
+        self.shared = Scratch(memory_bytes, samples, drop_served=drop_served)
         self._setup()
 
     def _setup(self) -> None:
         self._lock = threading.Lock()
-        self._kept: OrderedDict[Chunk, tuple[Any, int]] = OrderedDict()
+        # each chunk loaded, its weight, and the generation of the scratch file it maps (-1:
+        # this process's own bytes)
+        self._kept: OrderedDict[Chunk, tuple[Any, int, int]] = OrderedDict()
         self._held = 0
-        self._sharing = True  # the scratch cache works (see _unshareable)
+        self._sharing = True  # the scratch folder works (see _unshareable)
+        self._handed = False  # pickled for a worker: this process reads through the scratch too
         self._unshared: dict[Chunk, bytes | memoryview] = {}  # seeded, not in ``shared`` yet
         self._reading: dict[Chunk, Future[Any]] = {}
         # by Chunk.index: samples served since the chunk was last read (-1: never read)
@@ -123,6 +128,7 @@ class ChunkReader:
         ours: list[Chunk] = []
         theirs: dict[Chunk, Future[Any]] = {}
         with self._lock:
+            self._forget_dropped()
             for chunk in dict.fromkeys(chunks):
                 if chunk in self._kept:
                     self._kept.move_to_end(chunk)
@@ -145,13 +151,46 @@ class ChunkReader:
         for chunk, future in theirs.items():
             self.hits += 1
             out[chunk] = future.exception() or future.result()
-        with self._lock:
-            for chunk in chunks:  # one per sample served
-                if self._served[chunk.index] >= 0:
-                    self._served[chunk.index] += 1
+        self._count_served(chunks, out)
         if ours and not self._warned:
             self._check_order()
         return out
+
+    def _count_served(self, chunks: Sequence[Chunk], out: dict[Chunk, Any]) -> None:
+        """Count the samples served (one per chunk in ``chunks``); with ``drop_served``, let
+        go of the chunks whose samples have all been served: here, or through the scratch
+        folder by all the processes together."""
+        counts = Counter(c.index for c in chunks if not isinstance(out[c], BaseException))
+        with self._lock:
+            for index, count in counts.items():
+                if self._served[index] >= 0:
+                    self._served[index] += count
+        if not self._drop_served:
+            return
+        if self._through_scratch():
+            done = set(self._shared_served(counts))
+        else:
+            done = {index for index in counts if self._served[index] >= self._samples[index]}
+        with self._lock:
+            for chunk in [c for c in self._kept if c.index in done]:
+                self._forget(chunk)
+
+    def _shared_served(self, counts: Counter[int]) -> list[int]:
+        try:
+            return self.shared.served(counts)
+        except CacheError as exc:
+            self._unshareable(exc)
+            return []
+
+    def _forget_dropped(self) -> None:
+        """Let go of mapped chunks whose scratch file was dropped (under the lock)."""
+        for chunk, (_, _, generation) in list(self._kept.items()):
+            if generation >= 0 and not self.shared.current(chunk.index, generation):
+                self._forget(chunk)
+
+    def _forget(self, chunk: Chunk) -> None:
+        _, weight, _ = self._kept.pop(chunk)
+        self._held -= weight
 
     def _check_order(self) -> None:
         """Warn once when the order samples are asked for makes memory drop chunks before they
@@ -174,7 +213,8 @@ class ChunkReader:
             self.memory_bytes,
         )
 
-    def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
+    def _fetch(self, chunks: list[Chunk], fetcher: Fetcher) -> list[list[Any] | BaseException]:
+        """Each chunk's bytes as the bodies of its ranges, or the first of their failures."""
         requests = [
             Request(c.url, a, b, size=c.size, version=c.version)
             for c in chunks
@@ -186,29 +226,32 @@ class ChunkReader:
             self.early += early
         fetcher.counters.chunks_read_early += early
         bodies = iter(fetcher.fetch(requests, return_exceptions=True, buffers=True))
-        return [_joined([next(bodies) for _ in c.ranges]) for c in chunks]
+        return [_failed([next(bodies) for _ in c.ranges]) for c in chunks]
 
-    def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[Any]:
-        """The chunks' bytes: fetched, or in a worker through the scratch cache workers share."""
-        if os.getpid() == self._owner or not self._sharing:
-            return self._fetch(chunks, fetcher)
-        names = [_shared_name(c) for c in chunks]
+    def _through_scratch(self) -> bool:
+        """Whether this process reads chunks through the scratch folder: a worker, or the
+        process that handed the reader to workers."""
+        return self._sharing and (self._handed or os.getpid() != self._owner)
 
-        def fetched(positions: list[int]) -> list[Any]:
-            bodies = self._fetch([chunks[p] for p in positions], fetcher)
-            return [
-                b if isinstance(b, BaseException) else np.frombuffer(b, np.uint8) for b in bodies
-            ]
-
-        try:
-            found = self.shared.get_many(names, fetched)
-        except CacheError as exc:
-            self._unshareable(exc)
-            return self._fetch(chunks, fetcher)
-        return [b if isinstance(b, BaseException) else b.tobytes() for b in found]
+    def _bodies(self, chunks: list[Chunk], fetcher: Fetcher) -> list[tuple[Any, int]]:
+        """Each chunk's bytes (or why it could not be read) and the generation of the scratch
+        file they map (-1: read into this process's own memory)."""
+        if self._through_scratch():
+            try:
+                found = self.shared.get(
+                    [c.index for c in chunks],
+                    lambda positions: self._fetch([chunks[p] for p in positions], fetcher),
+                )
+            except CacheError as exc:
+                self._unshareable(exc)
+            else:
+                return [(b, -1) if isinstance(b, BaseException) else b for b in found]
+        return [(_joined(parts), -1) for parts in self._fetch(chunks, fetcher)]
 
     def _unshareable(self, error: CacheError) -> None:
-        """Stop sharing chunks through a scratch cache that cannot be written, saying why."""
+        """Stop sharing chunks through a scratch folder that cannot be written, saying why."""
+        if not self._sharing:
+            return
         self._sharing = False
         log.warning(
             "shard chunks: process %d reads chunks itself, not through the scratch cache the "
@@ -222,7 +265,7 @@ class ChunkReader:
         value = self._loaded(chunk, body)
         if not isinstance(value, BaseException):
             with self._lock:
-                self._keep(chunk, value)
+                self._keep(chunk, value, -1)
                 if chunk in self._kept:
                     self._unshared[chunk] = body
                 self._mark_read(chunk)
@@ -236,28 +279,34 @@ class ChunkReader:
         return served >= 0 and served * _EARLY < self._samples[chunk.index]
 
     def _share_seeds(self) -> None:
-        """Put the seeded chunks still kept into ``shared`` (once each), for the workers."""
-        if os.getpid() != self._owner:
+        """Put the seeded chunks still kept into ``shared`` (once each), for the workers; from
+        then on this process reads through it too, and lets go of its own copies."""
+        if os.getpid() != self._owner or not self._sharing:
             return
         with self._lock:
             seeds, self._unshared = list(self._unshared.items()), {}
-        if seeds and self._sharing:
-            bodies = [np.frombuffer(body, np.uint8) for _, body in seeds]
-            names = [_shared_name(chunk) for chunk, _ in seeds]
-            try:
-                self.shared.get_many(names, lambda positions: [bodies[p] for p in positions])
-            except CacheError as exc:
-                self._unshareable(exc)
+        try:
+            for chunk, body in seeds:
+                self.shared.put(chunk.index, [body])
+        except CacheError as exc:
+            self._unshareable(exc)
+            return
+        with self._lock:
+            self._handed = True
+            for chunk in [c for c, (_, _, generation) in self._kept.items() if generation < 0]:
+                self._forget(chunk)
 
     def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
         bodies = self._bodies(chunks, fetcher)
-        for chunk, body in zip(chunks, bodies, strict=True):
+        for chunk, (body, generation) in zip(chunks, bodies, strict=True):
             value = body if isinstance(body, BaseException) else self._loaded(chunk, body)
             out[chunk] = value
             with self._lock:
                 if not isinstance(value, BaseException):
-                    self._keep(chunk, value)
+                    self._keep(chunk, value, generation)
                 self._reading.pop(chunk).set_result(value)
+        if self._through_scratch():
+            _give_back_memory()
 
     def _loaded(self, chunk: Chunk, body: bytes | memoryview) -> Any:
         try:
@@ -270,92 +319,54 @@ class ChunkReader:
             error.__cause__ = exc
             return error
 
-    def _keep(self, chunk: Chunk, value: Any) -> None:
+    def _keep(self, chunk: Chunk, value: Any, generation: int) -> None:
         weight = self._weigh(value)
         if weight > self.memory_bytes:
             return
-        self._kept[chunk] = (value, weight)
+        self._kept[chunk] = (value, weight, generation)
         self._held += weight
         while self._held > self.memory_bytes:
-            gone, (_, dropped) = self._kept.popitem(last=False)
-            self._held -= dropped
+            gone = next(iter(self._kept))
+            self._forget(gone)
             self._unshared.pop(gone, None)  # held no longer: not to be shared either
 
 
-_PICKLED = ("memory_bytes", "_load", "_weigh", "shared", "_owner", "_samples", "_root")
+_PICKLED = (
+    "memory_bytes",
+    "_load",
+    "_weigh",
+    "shared",
+    "_owner",
+    "_samples",
+    "_root",
+    "_drop_served",
+)
 _EARLY = 4  # a chunk dropped before serving a quarter of its samples was dropped early
 _EARLY_READS = 32  # chunks read again after an early drop before the order is named
 
 
-def _joined(bodies: list[Any]) -> Any:
-    """A chunk's bytes from the bodies of its ranges, or the first of their failures."""
-    failed = [body for body in bodies if isinstance(body, BaseException)]
-    if failed:
-        return failed[0]
-    return bodies[0] if len(bodies) == 1 else b"".join(bodies)
+def _give_back_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). A chunk read through the scratch folder leaves only transient buffers of its size
+    in this process (the body fetched, what a format's decoding frees), which glibc otherwise
+    keeps: each worker would hold about as much again as the chunks it decodes."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-def _shared_name(chunk: Chunk) -> str:
-    """The chunk's name in the scratch cache the workers share (by its ranges: two datasets
-    reading other columns of one row group share no bytes)."""
-    ranges = ",".join(f"{a}-{b}" for a, b in chunk.ranges)
-    return Cache.name(chunk.url, chunk.version, f"chunk:{ranges}")
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
-_SCRATCH = "fastload-chunks-"
-_OWNER = "owner.lock"
+def _failed(bodies: list[Any]) -> list[Any] | BaseException:
+    """The bodies of a chunk's ranges, or the first of their failures."""
+    return next((body for body in bodies if isinstance(body, BaseException)), bodies)
 
 
-def _scratch(memory_bytes: int, owner: int) -> Cache:
-    """A cache for the chunks of the workers this process starts; removed when it exits, and
-    by the next process that makes one if it was killed first (a SIGTERM from a job scheduler
-    runs no exit handler): its folder's ``owner.lock`` is locked for as long as the process
-    (or a worker it forked) lives."""
-    parent = _in_memory(memory_bytes) or tempfile.gettempdir()
-    _sweep(parent)
-    root = tempfile.mkdtemp(prefix=_SCRATCH, dir=parent)
-    # the owner lock is taken before the file has its name: a sweep never finds it unlocked
-    making = os.path.join(root, f"{_OWNER}.new")
-    held = os.open(making, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    lock_whole(held, shared=False)
-    os.rename(making, os.path.join(root, _OWNER))
-    cache = Cache(os.path.join(root, "chunks"), format="npy", max_bytes=max(memory_bytes, 1))
-    weakref.finalize(cache, _remove, root, owner, held)
-    return cache
-
-
-def _sweep(parent: str) -> None:
-    """Remove the scratch folders in ``parent`` that no live process holds."""
-    try:
-        names = [name for name in os.listdir(parent) if name.startswith(_SCRATCH)]
-    except OSError:
-        return
-    for name in names:
-        folder = os.path.join(parent, name)
-        try:
-            fd = os.open(os.path.join(folder, _OWNER), os.O_RDWR | os.O_CLOEXEC)
-        except OSError:  # being made, or not a scratch folder of this version
-            continue
-        try:
-            if lock_whole(fd, shared=False):
-                shutil.rmtree(folder, ignore_errors=True)
-                log.info("shard chunks: removed %s, left by a process that was killed", folder)
-        finally:
-            os.close(fd)
-
-
-def _in_memory(nbytes: int, shm: str = "/dev/shm") -> str | None:
-    """``shm`` when it is a writable folder with room for ``nbytes`` (a container's is often 64
-    MB), else None: the temporary folder."""
-    try:
-        room = os.statvfs(shm)
-    except OSError:
-        return None
-    fits = room.f_bavail * room.f_frsize >= nbytes
-    return shm if fits and os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-
-
-def _remove(root: str, owner: int, held: int) -> None:
-    if os.getpid() == owner:  # a forked worker's copy must not remove what the others use
-        shutil.rmtree(root, ignore_errors=True)
-        os.close(held)
+def _joined(parts: list[Any] | BaseException) -> Any:
+    """A chunk's bytes from the bodies of its ranges (or its failure)."""
+    if isinstance(parts, BaseException):
+        return parts
+    return parts[0] if len(parts) == 1 else b"".join(parts)

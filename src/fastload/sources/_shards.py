@@ -103,6 +103,7 @@ class Shards:
             self._weigh,
             samples=np.diff(self.blocks, append=self._count),
             root=self.root,
+            drop_served=cache is not None,  # served samples come from the cache from then on
         )
         for chunk in self._chunks:
             seed = memoryview(self._seeds.get(chunk.url, b""))

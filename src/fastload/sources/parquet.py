@@ -319,15 +319,18 @@ class ParquetShards(Shards):
 
     def _load(self, chunk: Chunk, body: bytes | memoryview) -> _RowGroup:
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
-        parts, at = {}, 0  # pyarrow reads bytes: obstore's buffer is copied
+        parts, at = {}, 0  # views of the chunk's bytes (a worker's map its scratch file): no copy
         for a, b in chunk.ranges:
-            parts[a] = bytes(body[at : at + b - a])
+            parts[a] = body[at : at + b - a]
             at += b - a
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         chosen = None if self.columns is None else list(self.columns)
         table = file.read_row_groups(self._groups[chunk.index], columns=chosen)
         columns = {name: _numpy(table.column(name)) for name in table.column_names}
-        return _RowGroup(columns, int(table.nbytes))
+        loaded = _RowGroup(columns, int(table.nbytes))
+        del table, file  # what decoding allocated, given back: pyarrow's pool keeps it else
+        _arrow().default_memory_pool().release_unused()
+        return loaded
 
     def _weigh(self, loaded: Any) -> int:
         return int(loaded.nbytes)
@@ -408,6 +411,10 @@ def _is_list(types: Any, kind: Any) -> bool:
 
 def _parquet() -> Any:
     return import_extra("pyarrow.parquet", extra="parquet", feature="fastload.Parquet")
+
+
+def _arrow() -> Any:
+    return import_extra("pyarrow", extra="parquet", feature="fastload.Parquet")
 
 
 def _footer(shard: Entry, fetcher: Fetcher) -> bytes:
@@ -521,7 +528,7 @@ class _Sparse(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only some ranges are known (the footer, a
     row group): what pyarrow reads a row group from. Reading elsewhere is an error, not zeros."""
 
-    def __init__(self, size: int, parts: dict[int, bytes]) -> None:
+    def __init__(self, size: int, parts: dict[int, bytes | memoryview]) -> None:
         self.size, self.parts, self.position = size, parts, 0
 
     def readable(self) -> bool:
@@ -537,7 +544,7 @@ class _Sparse(io.RawIOBase):
         self.position = {0: 0, 1: self.position, 2: self.size}[whence] + offset
         return self.position
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> bytes | memoryview:
         n = self.size - self.position if n is None or n < 0 else min(n, self.size - self.position)
         for start, body in self.parts.items():
             if start <= self.position and self.position + n <= start + len(body):
