@@ -286,8 +286,10 @@ def test_the_loading_thread_steps_aside_for_a_loop_with_nothing_to_overlap() -> 
     """A loop whose steps are too short to overlap (a thread's hand-off of each batch would
     only cost it) goes on in its own thread after a few batches: the same batches in the same
     order, errors still reach it, and the next pass starts with a thread again."""
-    plain = fastload.DataLoader(Numbers(300), batch_size=5, shuffle=True, seed=3, background=False)
-    loader = fastload.DataLoader(Numbers(300), batch_size=5, shuffle=True, seed=3, num_workers=0)
+    # 400 batches: a quiet machine hands back by batch 9; a loaded one (a step preempted past
+    # 0.1 ms starts the count of 8 quick steps again) needs more, and the last 50 must be handed
+    plain = fastload.DataLoader(Numbers(2000), batch_size=5, shuffle=True, seed=3, background=False)
+    loader = fastload.DataLoader(Numbers(2000), batch_size=5, shuffle=True, seed=3, num_workers=0)
     for _ in range(2):
         alive = []
         got = []
@@ -295,9 +297,9 @@ def test_the_loading_thread_steps_aside_for_a_loop_with_nothing_to_overlap() -> 
             alive.append(bool(loader_threads()))
             got.append(x)
         expected = list(plain)
-        assert len(got) == len(expected) == 60
+        assert len(got) == len(expected) == 400
         assert all(torch.equal(a, b[0]) for a, b in zip(got, expected, strict=True))
-        assert alive[0] and not any(alive[40:])  # handed back (by batch 9 here), not stopped
+        assert alive[0] and not any(alive[-50:])  # handed back, not stopped
     bad = fastload.DataLoader(Numbers(300, bad=frozenset({250})), batch_size=5, num_workers=0)
     seen: list[int] = []
     with pytest.raises(ValueError, match="sample 250 is broken"):
