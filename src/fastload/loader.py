@@ -76,9 +76,9 @@ class DataLoader(tud.DataLoader[Any]):
     - workers start with ``forkserver`` (fork-safe: no inherited client connections or
       threads) when the dataset pickles, stay alive across epochs, and prefetch 4 batches each;
     - ``pin_memory`` when CUDA is available; worker seeds derive from ``seed`` and the rank;
-    - a dataset read in chunks (``RemoteDataset(shards=...)``: its ``blocks``) is shuffled
-      shard-aware: chunks in a new order each epoch, samples shuffled within windows of
-      ``BLOCK_WINDOW`` chunks, so a batch reads about that many chunks; under
+    - a dataset read in chunks (``RemoteDataset(Tar(url))``, ``Parquet``, ``Zarr``: its
+      ``blocks``) is shuffled shard-aware: chunks in a new order each epoch, samples shuffled
+      within windows of ``BLOCK_WINDOW`` chunks, so a batch reads about that many chunks; under
       torch.distributed each rank takes a contiguous share of the epoch (shuffled or not), so
       a chunk is read by one rank, not by all;
     - ``lookahead``: batches ahead of the loop whose missing samples a caching
