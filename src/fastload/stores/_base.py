@@ -176,21 +176,16 @@ class PageLister(Protocol):
         """The URL of ``prefix`` in this bucket (what a failed listing names)."""
 
 
-class BucketPages:
-    """What a :class:`PageLister` over one bucket of a filesystem shares: the bucket, and by
-    default ``PAGE`` keys a page, concurrent key ranges and split points checked as for a
-    file-tree order (S3 emulations list so). ``scheme`` names the bucket's URLs."""
+class EdgedPages:
+    """A :class:`PageLister`'s edge: :meth:`page` runs the lister's own :meth:`_page` and
+    raises fastload's errors only, naming the prefix's URL (:meth:`url`)."""
 
-    scheme: str
     tree_ordered = True
     page_size: int | None = None
     split = True
 
-    def __init__(self, fs: Any, bucket: str) -> None:
-        self.fs, self.bucket = fs, bucket
-
     def url(self, prefix: str) -> str:
-        return f"{self.scheme}://{self.bucket}/{prefix}"
+        raise NotImplementedError
 
     async def page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
@@ -203,6 +198,20 @@ class BucketPages:
     ) -> tuple[list[Listed], Any]:
         """The page itself, in the client's own terms (:meth:`page` is its edge)."""
         raise NotImplementedError
+
+
+class BucketPages(EdgedPages):
+    """What a :class:`PageLister` over one bucket of a filesystem shares: the bucket, and by
+    default ``PAGE`` keys a page, concurrent key ranges and split points checked as for a
+    file-tree order (S3 emulations list so). ``scheme`` names the bucket's URLs."""
+
+    scheme: str
+
+    def __init__(self, fs: Any, bucket: str) -> None:
+        self.fs, self.bucket = fs, bucket
+
+    def url(self, prefix: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{prefix}"
 
 
 class Store(Protocol):

@@ -30,6 +30,7 @@ from fastload.stores._base import (
     PAGE,
     Body,
     ByteRange,
+    EdgedPages,
     Listed,
     PageLister,
     Patience,
@@ -215,7 +216,7 @@ class ObstoreStore:
         return general if store is None or general is None else _ObstorePages(store, general)
 
 
-class _ObstorePages:
+class _ObstorePages(EdgedPages):
     """S3 pages through obstore.
 
     obstore renames some keys (a ``sub/`` marker comes back as ``sub``) and refuses others
@@ -230,21 +231,11 @@ class _ObstorePages:
     listed twice are kept once, by value.
     """
 
-    tree_ordered = True
-    page_size: int | None = None
-    split = True
-
     def __init__(self, store: Any, general: PageLister) -> None:
         self.store, self.general = store, general
 
     def url(self, prefix: str) -> str:
         return self.general.url(prefix)
-
-    async def page(
-        self, prefix: str, start_after: str | None, token: Any, limit: int
-    ) -> tuple[list[Listed], Any]:
-        with boundary(self.url(prefix)):
-            return await self._page(prefix, start_after, token, limit)
 
     async def _page(
         self, prefix: str, start_after: str | None, token: Any, limit: int
