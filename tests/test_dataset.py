@@ -421,8 +421,56 @@ def test_prefetch_fills_the_cache_ahead(s3_root: tuple[str, dict[str, Any]], tmp
     requests = dataset.fetcher.counters.requests
     assert [value_of(dataset[i]) for i in range(10, 20)] == list(range(10, 20))
     assert dataset.fetcher.counters.requests == requests  # all hits
-    with pytest.raises(ConfigError, match="needs a cache"):
-        RemoteDataset(root, decode="npy", storage_options=options).prefetch([0])
+
+
+def test_without_a_cache_the_lookahead_holds_what_it_made_for_the_read(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No cache: a batch made ahead is held for its read (fetched once, not again); a
+    DataLoader without workers makes the batches behind a slow one meanwhile (a request in a
+    store's tail held up the whole loop); a lookahead whose samples cannot be held stops."""
+    import fastload
+    from fastload import _handoff
+
+    root, options = s3_root
+    dataset = RemoteDataset(root, decode="npy", storage_options=options)
+    dataset.prefetch(range(10, 20)).result(timeout=60)
+    assert dataset.fetcher.counters.requests == 10
+    assert [value_of(s) for s in dataset.__getitems__(list(range(10, 20)))] == list(range(10, 20))
+    assert dataset.fetcher.counters.requests == 10  # taken, not fetched again
+    assert value_of(dataset[10]) == 10 and dataset.fetcher.counters.requests == 11  # held once
+
+    made: set[int] = set()
+    slow_one = threading.Event()
+
+    @versioned(1)
+    def slow(array: np.ndarray) -> np.ndarray:
+        made.add(value_of(array))
+        if value_of(array) == 0:  # the first batch waits on its member 0
+            slow_one.wait(30)
+        return array
+
+    dataset = RemoteDataset(root, decode="npy", transform=slow, storage_options=options)
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=0, collate_fn=list)
+    batches, first = iter(loader), []
+    reader = threading.Thread(target=lambda: first.append(next(batches)))
+    reader.start()
+    behind = set(range(4, 20))  # the 4 batches of the lookahead behind the first
+    for _ in range(1000):
+        if behind <= made:
+            break
+        slow_one.wait(0.01)
+    assert behind <= made, sorted(made)  # made while the first batch waits
+    slow_one.set()
+    reader.join(60)
+    assert [value_of(s) for batch in [*first, *batches] for s in batch] == list(range(40))
+    assert dataset.fetcher.counters.requests == 40  # each fetched once
+
+    monkeypatch.setattr(_handoff, "HANDOFF_BYTES", 1)  # nothing can be held
+    tight = RemoteDataset(root, decode="npy", storage_options=options)
+    tight.prefetch(range(4)).result(timeout=60)
+    assert tight.prefetch(range(4, 8)).done() and tight.fetcher.counters.requests == 4  # stopped
+    assert [value_of(s) for s in tight.__getitems__([0, 1, 2, 3])] == [0, 1, 2, 3]
 
 
 def test_a_read_takes_what_the_lookahead_made_instead_of_reading_it_back(

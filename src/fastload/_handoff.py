@@ -1,18 +1,18 @@
 """The lookahead's hand-off: samples it made, held in memory for the read of their batch.
 
-The loader's lookahead makes (fetches, decodes, preprocesses and caches) a batch ahead of the
-loop. The read of that batch takes what it made from here instead of reading back from the
-cache what was just written there, and waits for samples the lookahead is still making.
+The loader's lookahead makes (fetches, decodes, preprocesses and, with a cache, caches) a batch
+ahead of the loop. The read of that batch takes what it made from here instead of reading back
+from the cache what was just written there (or, with no cache, making it again), and waits for
+samples the lookahead is still making.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from fastload.cache._tree import flatten
@@ -33,35 +33,40 @@ class Handoff:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._held: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._held: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
-        self._making: dict[str, threading.Event] = {}  # names the lookahead is making now
+        self._making: dict[Hashable, threading.Event] = {}  # names the lookahead is making now
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Handoff, ())
 
-    @contextlib.contextmanager
-    def making(self, names: Sequence[str]) -> Iterator[None]:
-        """The lookahead at work on ``names`` (from before it looks in the cache): a read of
-        them meanwhile waits for it, where it would wait for the cache's entry locks."""
+    def making(self, names: Sequence[Hashable]) -> Callable[[], None]:
+        """The lookahead is to make ``names`` (said before a thread takes the work up): a read
+        of them waits until the function returned is called (the making ended, however), where
+        it would wait for the cache's entry locks or make them a second time."""
         done = threading.Event()
         with self._lock:
             self._making.update(dict.fromkeys(names, done))
-        try:
-            yield
-        finally:
+
+        def ended() -> None:
             with self._lock:
                 for name in names:
                     if self._making.get(name) is done:
                         del self._making[name]
             done.set()
 
-    def keep(self, names: Sequence[str], made: Sequence[Any]) -> None:
+        return ended
+
+    def keep(self, names: Sequence[Hashable], made: Sequence[Any]) -> int:
+        """Hold ``made``; how many samples (failures aside) could not be held, or were dropped
+        to make room."""
+        lost = 0
         with self._lock:
             for name, sample in zip(names, made, strict=True):
                 size = _nbytes(sample)
                 if size is None or size > HANDOFF_BYTES:
+                    lost += not isinstance(sample, BaseException)
                     continue
                 old = self._held.pop(name, None)
                 self._bytes += size - (0 if old is None else old[1])
@@ -69,8 +74,14 @@ class Handoff:
             while self._bytes > HANDOFF_BYTES:
                 _, (_, size) = self._held.popitem(last=False)
                 self._bytes -= size
+                lost += 1
+        return lost
 
-    def take(self, names: Sequence[str]) -> dict[int, Any]:
+    def room(self) -> bool:
+        """Whether the lookahead may make more to hold (half of ``HANDOFF_BYTES`` is free)."""
+        return self._bytes <= HANDOFF_BYTES // 2
+
+    def take(self, names: Sequence[Hashable]) -> dict[int, Any]:
         """The held samples among ``names``, by position, no longer held."""
         if not self._held and not self._making:
             return {}

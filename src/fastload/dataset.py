@@ -7,13 +7,12 @@ once) instead of one after another.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import operator
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
 from fastload._contract import BatchHead, Filled, opened
-from fastload._handoff import Handoff
+from fastload._handoff import HANDOFF_BYTES, Handoff
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
 from fastload.config import FetchConfig
@@ -114,6 +113,7 @@ class _Batched(Dataset[Any]):
     listing_check: Future[ManifestChanges] | None = None
     """RemoteDataset's listing of the store again, in the background (None: none running)."""
     _remade_said = False  # the warning of _remaking, once per process
+    _holds_not = False  # with no cache, the lookahead could not hold what it made: it stops
 
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         """The samples at ``indices`` (a failure sits in its slot as an exception); ``how``:
@@ -125,24 +125,46 @@ class _Batched(Dataset[Any]):
     ) -> list[Any]:
         """``cache.get_many(names, produce)``, with the samples the lookahead made and held
         taken instead of read back (see :data:`Read`)."""
-        cache, handoff = self.cache, self._handoff_here()
+        cache = self.cache
         assert cache is not None
-        if how == "ahead":
-            made = cache.get_many(names, produce)
-            handoff.keep(names, made)
-            return made
         counted = how != "filled"  # a worker counted those
         if not counted:
             produce = self._remaking(produce, cache)
-        held = handoff.take(names)  # with workers, what the head start made (DataLoader)
+
+        def get(at: list[int]) -> list[Any]:
+            if len(at) == len(names):  # nothing held: the whole batch
+                return cache.get_many(names, produce, counted=counted)
+            return cache.get_many(
+                [names[p] for p in at], lambda q: produce([at[i] for i in q]), counted=counted
+            )
+
+        return self._handed(names, get, how)
+
+    def _handed(
+        self, keys: Sequence[Hashable], produce: Callable[[list[int]], list[Any]], how: Read
+    ) -> list[Any]:
+        """``produce``'s samples at positions of ``keys``: made ahead and held (``ahead``), or
+        with those the lookahead made and holds taken instead (with workers, what the head start
+        made: DataLoader)."""
+        handoff = self._handoff_here()
+        if how == "ahead":
+            made = produce(list(range(len(keys))))
+            if handoff.keep(keys, made) and self.cache is None and not self._holds_not:
+                self._holds_not = True  # made again at their read: a lookahead would cost twice
+                log.info(
+                    "%r: the lookahead stops (no cache): its samples cannot be held in memory "
+                    "for their read (too large for %d MiB, or of a kind it cannot size)",
+                    self,
+                    HANDOFF_BYTES >> 20,
+                )
+            return made
+        held = handoff.take(keys)
         if not held:
-            return cache.get_many(names, produce, counted=counted)
-        rest = [p for p in range(len(names)) if p not in held]
-        got = cache.get_many(
-            [names[p] for p in rest], lambda at: produce([rest[q] for q in at]), counted=counted
-        )
-        held.update(zip(rest, got, strict=True))
-        return [held[p] for p in range(len(names))]
+            return produce(list(range(len(keys))))
+        rest = [p for p in range(len(keys)) if p not in held]
+        if rest:
+            held.update(zip(rest, produce(rest), strict=True))
+        return [held[p] for p in range(len(keys))]
 
     def _remaking(
         self, produce: Callable[[list[int]], list[Any]], cache: Cache
@@ -352,23 +374,28 @@ class _Batched(Dataset[Any]):
         ]
 
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
-        """Make and cache ``indices`` in the background (needs a cache); later reads hit.
-        Entries already in the cache are skipped: the index is looked at here, once per
-        batch, before anything is handed to a thread.
+        """Make ``indices`` in the background; their read soon takes what it made.
+
+        With a cache, they are cached (later reads hit); entries already there are skipped:
+        the index is looked at here, once per batch, before anything is handed to a thread.
         After ``_WARM_STREAK`` batches with nothing missing, only one batch in
         ``_WARM_PROBE`` is checked until one misses again: a batch left unchecked that
-        misses is made when it is read.
+        misses is made when it is read. Without a cache, nothing is kept beyond their read.
 
         A loader that knows the sampler's order calls this for the batches ahead. What it
         makes is held in memory (up to ``HANDOFF_BYTES``) for the read of the batch, which
-        then need not read it back from the cache.
+        then need not read it back from the cache or make it again: so a batch whose read is
+        slow (a request in a store's tail) holds up its own read, not the batches behind it.
         """
         return self._prefetch(indices, hold=True)
 
     def _prefetch(self, indices: Sequence[int], hold: bool) -> Future[None]:
-        if self.cache is None:
-            raise ConfigError(f"{type(self).__name__}.prefetch needs a cache to keep its work")
         cache = self.cache
+        if cache is None:
+            if not hold or self._holds_not or not self._handoff_here().room():
+                return _DONE  # made at their read
+            positions = [self._index(i) for i in indices]
+            return self._ahead(positions, positions, hold)
         self._warm_batches += 1
         if _unlooked(self._warm_batches) or cache.full:
             return _DONE  # a warm cache: one batch in _WARM_PROBE is checked (a look per
@@ -376,21 +403,36 @@ class _Batched(Dataset[Any]):
         positions = [self._index(i) for i in indices]
         # checked here: handing the check to a thread cost about 0.8 ms a batch on 2 cores
         # (the threads' hand-offs of the GIL), the check itself about 0.1 ms
-        there = cache.contains_many(self._cache_names(positions))
-        missing = [i for i, hit in zip(positions, there, strict=True) if not hit]
+        names = self._cache_names(positions)
+        there = cache.contains_many(names)
+        missing = [i for i, hit in enumerate(there) if not hit]
         if not missing:
             return _DONE
         self._warm_batches = 0
+        return self._ahead([positions[i] for i in missing], [names[i] for i in missing], hold)
+
+    def _ahead(self, positions: list[int], keys: Sequence[Hashable], hold: bool) -> Future[None]:
+        """Make ``positions`` in a prefetch thread; held for their read (``hold``: their
+        ``keys`` said to be in the making now, so a read of them waits, even before a thread
+        takes the work up) or only cached."""
         executor = _prefetchers.get(
             "prefetch", lambda: ThreadPoolExecutor(PREFETCH_BATCHES, "fastload-prefetch")
         )
+        how: Read = "ahead" if hold else "read"
 
         def run() -> None:
-            names = self._cache_names(missing)
-            with self._handoff_here().making(names) if hold else contextlib.nullcontext():
-                self._items(missing, "ahead" if hold else "read")
+            self._items(positions, how)
 
-        return executor.submit(run)
+        if not hold:
+            return executor.submit(run)
+        ended = self._handoff_here().making(keys)
+        try:
+            future = executor.submit(run)
+        except BaseException:
+            ended()
+            raise
+        future.add_done_callback(lambda _: ended())
+        return future
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of this process's counters (samples, skips, preprocessing time, fetch,
@@ -549,6 +591,10 @@ class RemoteDataset(_Batched):
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         if self._reads_cache():
             return self._cached(indices, how)
+        if self.cache is None:  # what the lookahead made ahead, held by position
+            return self._handed(
+                indices, lambda at: self._samples([self._sample(indices[p]) for p in at]), how
+            )
         return self._samples([self._sample(i) for i in indices])
 
     def _reads_cache(self) -> bool:

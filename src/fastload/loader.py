@@ -85,7 +85,10 @@ class DataLoader(tud.DataLoader[Any]):
       :class:`fastload.RemoteDataset` fetches into its cache in the background: without
       workers in this process, with workers in the workers themselves (each batch a worker
       gets names a batch ``lookahead`` beyond those already handed out, for it to cache), so
-      a cold epoch's fetching, decoding and preprocessing spread over the workers;
+      a cold epoch's fetching, decoding and preprocessing spread over the workers; with no
+      cache and no workers, this process makes those batches ahead and holds them in memory
+      for their reads (up to ``fastload._handoff.HANDOFF_BYTES``), so a batch held up by a
+      slow request (a store's tail) does not hold up the batches behind it;
     - with workers and a cache (and no ``collate_fn`` of the user's), the workers fill the
       cache and this process reads each batch from it in its loading thread (``fills``), and
       pins it there with ``pin_memory``: a warm batch does not cross through fresh shared memory;
@@ -154,7 +157,7 @@ class DataLoader(tud.DataLoader[Any]):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         # workers fill the cache, this process reads it (see _fills)
         fills = bool(workers) and collate_fn is None and auto_collation and _fills(contract)
-        prefetch = _prefetch(contract, lookahead)
+        prefetch = _prefetch(contract, lookahead, workers)
         factor = prefetch_factor if prefetch_factor or not workers else 4
         if prefetch is not None or fills:  # see fastload._lookahead
             plan = _lookahead.Plan(prefetch, lookahead, workers * (factor or 0), fills)
@@ -580,9 +583,12 @@ def _fills(dataset: LoaderDataset | None) -> bool:
     return dataset is not None and dataset.fillable()
 
 
-def _prefetch(dataset: LoaderDataset | None, depth: int) -> _lookahead.Prefetch | None:
-    """The dataset's ``prefetch`` when a lookahead helps: it caches, and one is asked for."""
-    if depth and dataset is not None and dataset.cache is not None:
+def _prefetch(
+    dataset: LoaderDataset | None, depth: int, workers: int
+) -> _lookahead.Prefetch | None:
+    """The dataset's ``prefetch`` when a lookahead helps and one is asked for: it caches, or
+    this process reads the batches (no workers) and holds what it made for their reads."""
+    if depth and dataset is not None and (dataset.cache is not None or not workers):
         return dataset.prefetch
     return None
 
