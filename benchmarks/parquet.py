@@ -138,8 +138,9 @@ def _shards(root: str, options: dict[str, Any]) -> dict[str, Any]:
     loader = fastload.DataLoader(dataset, batch_size=BATCH, shuffle=True, collate_fn=_rows)
     rate, count = _rate(loader)
     stats = loader.counters
-    assert stats is not None and isinstance(loader.sampler, fastload.PermutationSampler)
-    locality = block_locality(loader.sampler, BATCH, batches=len(dataset) // BATCH)
+    order = getattr(loader.sampler, "lookahead_source", loader.sampler)  # the lookahead's
+    assert stats is not None and isinstance(order, fastload.PermutationSampler)
+    locality = block_locality(order, BATCH, batches=len(dataset) // BATCH)
     return {
         "reader": "fastload Parquet source, DataLoader defaults, shuffle=True",
         "samples/s": rate,
