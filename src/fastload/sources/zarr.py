@@ -133,7 +133,16 @@ def _patch(patch: object) -> tuple[int, ...] | None:
 class _Decoder:
     """The array as zarr reads it: its metadata parsed from the metadata object's bytes, its
     fill value, and a chunk object's bytes decoded (made in each process: zarr's objects are
-    not pickled)."""
+    not pickled).
+
+    A chunk is decoded by the array's codecs called in turn, synchronously
+    (:func:`_codec_chain`), where each has a synchronous decode (zarr's bytes, transpose,
+    zstd, blosc, gzip and crc32c codecs; a v2 array's numcodecs): reading it through a zarr
+    array over a store holding only it cost about 0.4 ms a chunk in zarr's async layer (4.0 s
+    against 0.44 s for zarr reading the whole array, 1,250 chunks of 32 KB). The first chunk
+    is decoded both ways: if they differ in any way (dtype, shape, values), or the chain
+    cannot be built (sharding, object dtypes, another zarr's internals), every chunk goes
+    through zarr's array; a chunk the chain fails on does too, so its error is zarr's own."""
 
     def __init__(self, name: str, document: bytes) -> None:
         zarr = _zarr("zarr")
@@ -146,13 +155,102 @@ class _Decoder:
         # array of no elements, which has no values to fill either)
         empty = array.size == 0
         self.fill = np.zeros((), array.dtype) if empty else np.asarray(array[(0,) * array.ndim])
+        self._chain = _codec_chain(self.metadata)
+        self._checked = False  # the chain's first chunk compared with zarr's reading
 
     def decoded(self, key: str, region: tuple[slice, ...], body: bytes | memoryview) -> Any:
         """The chunk object ``key`` (relative to the array) of bytes ``body``, as zarr reads
         ``region`` (the chunk's, clipped to the array's edge) from a store holding only it."""
+        chain = self._chain
+        if chain is None:
+            return self._through_zarr(key, region, body)
+        try:
+            whole = chain(body)
+        except Exception:  # zarr's array says what is wrong with the chunk
+            return self._through_zarr(key, region, body)
+        out = np.array(whole[tuple(slice(0, r.stop - r.start) for r in region)])
+        if not self._checked:
+            self._checked = True
+            expected = np.asarray(self._through_zarr(key, region, body))
+            if not _same(out, expected):
+                log.debug("zarr chunks are decoded through zarr's array: the codecs differ")
+                self._chain = None
+                return expected
+        return out
+
+    def _through_zarr(self, key: str, region: tuple[slice, ...], body: bytes | memoryview) -> Any:
         store = self._storage.MemoryStore({key: self._buffer.from_bytes(body)})
         path = self._storage.StorePath(store)
         return self._zarr.Array(self._zarr.AsyncArray(self.metadata, path))[region]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _codec_chain(metadata: Any) -> Callable[[bytes | memoryview], np.ndarray] | None:
+    """A whole chunk's bytes to its array by the array's codecs, called synchronously; None
+    where a codec has no synchronous decode, or zarr's internals are not as expected."""
+    try:
+        if metadata.zarr_format == 2:
+            return _v2_chain(metadata)
+        return _v3_chain(metadata)
+    except Exception:  # another zarr version's internals: zarr's array reads every chunk
+        log.debug("zarr chunks are decoded through zarr's array", exc_info=True)
+        return None
+
+
+def _v2_chain(metadata: Any) -> Callable[[bytes | memoryview], np.ndarray] | None:
+    dtype = np.dtype(metadata.dtype.to_native_dtype())
+    if dtype.hasobject:
+        return None
+    compressor, filters = metadata.compressor, tuple(reversed(metadata.filters or ()))
+    shape, order = tuple(metadata.chunks), metadata.order
+
+    def decode(body: bytes | memoryview) -> np.ndarray:
+        data = compressor.decode(body) if compressor is not None else body
+        for codec in filters:
+            data = codec.decode(data)
+        flat: np.ndarray = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype)
+        chunk: np.ndarray = flat.view(dtype).reshape(shape, order=order)
+        return chunk
+
+    return decode
+
+
+def _v3_chain(metadata: Any) -> Callable[[bytes | memoryview], np.ndarray] | None:
+    config = _zarr("zarr.core.array_spec").ArrayConfig.from_dict({})
+    prototype = _zarr("zarr.core.buffer").default_buffer_prototype()
+    buffer = _zarr("zarr.buffer.cpu").Buffer
+    arrays, to_bytes, compressors = _zarr("zarr.core.codec_pipeline").codecs_from_list(
+        metadata.codecs
+    )
+    if not all(hasattr(c, "_decode_sync") for c in (*arrays, to_bytes, *compressors)):
+        return None  # sharding, or a codec decoded only in a thread
+    spec = metadata.get_chunk_spec((0,) * metadata.ndim, config, prototype)
+    dtype = np.dtype(spec.dtype.to_native_dtype())  # zarr's reads are of it (a big-endian
+    # serializer's bytes too)
+    array_specs = []
+    for codec in arrays:
+        array_specs.append(spec)
+        spec = codec.resolve_metadata(spec)
+    byte_specs = []
+    for codec in (to_bytes, *compressors):
+        byte_specs.append(spec)
+        spec = codec.resolve_metadata(spec)
+    undo_bytes = list(zip(reversed(compressors), reversed(byte_specs[1:]), strict=True))
+    undo_arrays = list(zip(reversed(arrays), reversed(array_specs), strict=True))
+
+    def decode(body: bytes | memoryview) -> np.ndarray:
+        data = buffer.from_bytes(body)
+        for codec, at in undo_bytes:
+            data = codec._decode_sync(data, at)
+        array = to_bytes._decode_sync(data, byte_specs[0])
+        for codec, at in undo_arrays:
+            array = codec._decode_sync(array, at)
+        return np.asarray(array.as_numpy_array()).astype(dtype, copy=False)
+
+    return decode
 
 
 def _zarr(module: str) -> Any:
