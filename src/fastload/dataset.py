@@ -25,8 +25,10 @@ from fastload._contract import BatchHead, Filled, opened
 from fastload._handoff import HANDOFF_BYTES, Handoff
 from fastload.cache import Cache
 from fastload.cache._tree import flatten
+from fastload.cache._worth import Worth, Wrap
 from fastload.config import FetchConfig
 from fastload.errors import (
+    CacheError,
     ConfigError,
     DecodeError,
     ObjectChangedError,
@@ -149,7 +151,7 @@ class _Batched(Dataset[Any]):
         handoff = self._handoff_here()
         if how == "ahead":
             made = produce(list(range(len(keys))))
-            if handoff.keep(keys, made) and self.cache is None and not self._holds_not:
+            if handoff.keep(keys, made) and self._cacheless() and not self._holds_not:
                 self._holds_not = True  # made again at their read: a lookahead would cost twice
                 log.info(
                     "%r: the lookahead stops (no cache): its samples cannot be held in memory "
@@ -274,6 +276,13 @@ class _Batched(Dataset[Any]):
     def _reads_cache(self) -> bool:
         return self.cache is not None
 
+    def _cacheless(self) -> bool:
+        """Whether samples are made on every read: no cache, or one bypassed (RemoteDataset)."""
+        return self.cache is None
+
+    def _force_cache(self) -> None:
+        """Cache what is made from now on (an explicit fill: :meth:`warm`)."""
+
     def read_filled(self, filled: Filled) -> list[Any]:
         """The samples of a worker's :class:`Filled` batch, read from the cache here."""
         how: Read = "filled" if filled.looked else "read"
@@ -365,6 +374,7 @@ class _Batched(Dataset[Any]):
         (nothing is raised or skipped: ``fastload warm-cache`` reports them)."""
         if self.cache is None:
             raise ConfigError(f"{type(self).__name__}.warm needs a cache to fill")
+        self._force_cache()
         positions = [self._index(i) for i in indices]
         results = self._items(positions)
         return [
@@ -391,7 +401,7 @@ class _Batched(Dataset[Any]):
 
     def _prefetch(self, indices: Sequence[int], hold: bool) -> Future[None]:
         cache = self.cache
-        if cache is None:
+        if cache is None or self._cacheless():
             if not hold or self._holds_not or not self._handoff_here().room():
                 return _DONE  # made at their read
             positions = [self._index(i) for i in indices]
@@ -553,6 +563,14 @@ class RemoteDataset(_Batched):
             self.fetcher.counters,
             CacheStats() if cache is None else cache.counters,
         )
+        judge = cache is not None and not cache.always and not cache.read_only
+        self._worth = Worth(
+            self.source.root,
+            self.blocks,
+            self._length,
+            self.counters.cache,
+            judge=judge,
+        )
 
     @property
     def classes(self) -> tuple[str, ...] | None:
@@ -591,25 +609,46 @@ class RemoteDataset(_Batched):
     def _items(self, indices: list[int], how: Read = "read") -> list[Any]:
         if self._reads_cache():
             return self._cached(indices, how)
-        if self.cache is None:  # what the lookahead made ahead, held by position
+        if self._cacheless():  # what the lookahead made ahead, held by position
             return self._handed(
                 indices, lambda at: self._samples([self._sample(indices[p]) for p in at]), how
             )
         return self._samples([self._sample(i) for i in indices])
 
     def _reads_cache(self) -> bool:
-        return self.cache is not None and self.on_change != "refresh"
+        return self.cache is not None and self.on_change != "refresh" and not self._cacheless()
+
+    def _cacheless(self) -> bool:
+        return self.cache is None or self._worth.bypassed
+
+    def _force_cache(self) -> None:
+        self._worth.force()
 
     def _cached(self, indices: list[int], how: Read) -> list[Any]:
         """:meth:`_samples` through the cache, with no :class:`Sample` made for a sample the
-        cache holds (they cost a warm batch about a tenth of its CPU)."""
+        cache holds (they cost a warm batch about a tenth of its CPU). The first batches made
+        are timed, to judge whether the cache pays (:class:`fastload.cache._worth.Worth`)."""
+        if self._worth.judging:
+            return self._worth.timed(
+                indices, lambda wrap: self._through_cache(indices, how, wrap), self._read_back
+            )
+        return self._through_cache(indices, how)
+
+    def _through_cache(self, indices: list[int], how: Read, wrap: Wrap | None = None) -> list[Any]:
         found = self.source.identities(indices)
-        made = self._get_many(
-            self._names(found),
-            lambda positions: self._produce([self._sample(indices[p]) for p in positions]),
-            how,
-        )
+
+        def make(positions: list[int]) -> list[Any]:
+            return self._produce([self._sample(indices[p]) for p in positions])
+
+        made = self._get_many(self._names(found), make if wrap is None else wrap(make), how)
         return self._with_labels(made, [label for _, _, label in found])
+
+    def _read_back(self, indices: Sequence[int]) -> None:
+        """Read the entries of ``indices`` just stored, as a later epoch does (uncounted)."""
+        assert self.cache is not None
+        names = self._names(self.source.identities(indices))
+        gone = CacheError(f"evicted before it was read back: {self.cache.root}")
+        self.cache.get_many(names, lambda positions: [gone] * len(positions), counted=False)
 
     def _sample(self, index: int) -> Sample:
         return self._fresh.get(index) or self.source[index]
@@ -655,8 +694,11 @@ class RemoteDataset(_Batched):
         ]
 
     def _made(self, samples: list[Sample]) -> list[Any]:
-        if self.cache is None:
+        if self._cacheless():
+            if self.cache is not None:
+                self.counters.cache.bypassed += len(samples)
             return self._produce(samples)
+        assert self.cache is not None
         names = [self._name(s) for s in samples]
         return self.cache.get_many(names, lambda pos: self._produce([samples[p] for p in pos]))
 

@@ -234,6 +234,46 @@ def stall_report(
     data_bound_above: float = DATA_BOUND_ABOVE,
 ) -> StallReport:
     """Figures and a verdict for the time ``steps`` covers (``window`` names it)."""
+    return _noted(
+        _stall_report(steps, counters, window=window, data_bound_above=data_bound_above),
+        counters,
+    )
+
+
+def _noted(report: StallReport, figures: StageCounters | None) -> StallReport:
+    """``report`` with its verdict saying that the cache was bypassed, when it was, with the
+    costs judged in ``figures`` (counters that cover the judgement)."""
+    counters = report.counters
+    if counters is None or not counters.cache.bypassed:
+        return report
+    note = _bypass_note(counters.cache, (figures or counters).cache)
+    return replace(report, verdict=f"{report.verdict}; {note}")
+
+
+def _bypass_note(cache: CacheStats, figures: CacheStats) -> str:
+    """What the report says of samples served past the cache (see fastload.cache._worth)."""
+    said = (
+        f"cache bypassed for {cache.bypassed} samples: making them again from their chunks "
+        "costs less than the cache"
+    )
+    judged = figures.bypass_judged
+    if judged:
+        mean = f", the mean of {judged} processes" if judged > 1 else ""
+        said += (
+            f" ({figures.bypass_make_us / judged:.1f} µs a sample, against "
+            f"{figures.bypass_write_us / judged:.1f} µs to store one and "
+            f"{figures.bypass_read_us / judged:.1f} µs to read it back{mean})"
+        )
+    return f"{said}; Cache(always=True) keeps caching them"
+
+
+def _stall_report(
+    steps: StepStats,
+    counters: StageCounters | None,
+    *,
+    window: str,
+    data_bound_above: float,
+) -> StallReport:
     elapsed = steps.elapsed_s
     report = StallReport(
         window=window,
@@ -312,9 +352,13 @@ def window_report(
         return stall_report(meter.stats, counters, window=label, data_bound_above=data_bound_above)
     if window != "epoch":
         raise ConfigError(f"report window must be 'epoch' or 'all', got {window!r}")
+    figures = counters
     if counters is not None and pass_start is not None:
         counters = counters.since(pass_start)
-    return stall_report(meter.epoch, counters, window=this_pass, data_bound_above=data_bound_above)
+    report = _stall_report(
+        meter.epoch, counters, window=this_pass, data_bound_above=data_bound_above
+    )
+    return _noted(report, figures)  # the costs judged in an earlier pass
 
 
 def _first_batch_why(counters: StageCounters | None) -> str:
@@ -335,7 +379,7 @@ def _missed(counters: StageCounters) -> float | None:
     its batch is filled (often in another worker, which cannot know)."""
     cache = counters.cache
     lookups = cache.hits + cache.misses
-    if not lookups:
+    if not lookups or cache.bypassed > lookups:  # most samples went past the cache
         return None
     return min(1.0, cache.misses / (counters.dataset.samples or lookups))
 
@@ -366,7 +410,8 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
             f"({latency}); warm the cache first (fastload warm-cache)"
         )
     if missed is None and fetch.objects:
-        return f"fetch latency ({latency}); no cache, so every epoch fetches again"
+        cached = "the cache is bypassed" if cache.bypassed else "no cache"
+        return f"fetch latency ({latency}); {cached}, so every epoch fetches again"
     if compute.count and compute.total >= _PREPARE_MATTERS * steps.wait.total:
         share = "samples" if missed is None else f"{missed:.0%} of samples"
         return (
@@ -394,13 +439,19 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         keep = (
             "the cache keeps them for later epochs (fastload warm-cache fills it beforehand)"
             if missed is not None
+            else "Cache(always=True) keeps them cached"
+            if cache.bypassed
             else "cache the preprocessed samples (cache=fastload.Cache(...))"
         )
         return (
             f"decode/transform: {prepare.total:.2f} s, p50 {prepare.percentile(50) * 1e3:.1f} "
             f"ms per sample; {keep}, {_workers_advice()}"
         )
-    hit_rate = "no cache lookups" if missed is None else f"cache hit rate {1 - missed:.0%}"
+    hit_rate = (
+        ("the cache bypassed" if cache.bypassed else "no cache lookups")
+        if missed is None
+        else f"cache hit rate {1 - missed:.0%}"
+    )
     return (
         f"the loader itself ({hit_rate}): collation, worker hand-off or too few workers; "
         f"a deeper prefetch, {_workers_advice()}"

@@ -169,6 +169,13 @@ class CacheStats:
     write_s: float = 0.0  # seconds spent writing entries (encoding, appending, index records)
     write_cpu_s: float = 0.0  # of write_s, on a CPU (see thread_times)
     write_queued_s: float = 0.0  # of write_s, ready to run but waiting for a CPU
+    # samples made from their chunks and served past the cache (neither looked up nor stored):
+    # re-reading them costs less than the cache (fastload.cache._worth)
+    bypassed: int = 0
+    bypass_judged: int = 0  # processes that chose to bypass the cache (each worker judges alone)
+    bypass_make_us: float = 0.0  # what they measured, summed over them: µs to make a sample,
+    bypass_write_us: float = 0.0  # to store one in the cache,
+    bypass_read_us: float = 0.0  # and to read it back
 
     def snapshot(self) -> dict[str, float | int]:
         return asdict(self)

@@ -134,6 +134,13 @@ class Cache:
     says (private for a new cache), True or False require it (else ConfigError). A folder or
     file this process may not use is a :class:`CacheError` naming it and the permission
     missing (read, write or traverse), from here and from every later call.
+
+    ``always``: cache every sample. By default a dataset whose samples are read in chunks
+    (:class:`fastload.Tar`, :class:`fastload.Parquet`, :class:`fastload.Zarr`) times its first
+    batches and stops using the cache, in that process, when making a sample again from its
+    chunk costs less than the cache would save within ten epochs (tiny rows with a cheap
+    decode); a warning and the loader's report say so (see docs/cache.md, "When fastload does
+    not cache"). ``always=True`` keeps them cached, to spare the store its requests and bytes.
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class Cache:
         max_bytes: int | None = None,
         read_only: bool | None = None,
         shared: bool | None = None,
+        always: bool = False,
     ) -> None:
         if format not in FORMATS:
             raise ConfigError(f"Cache format must be one of {sorted(FORMATS)}, got {format!r}")
@@ -152,6 +160,9 @@ class Cache:
             raise ConfigError(f"Cache.max_bytes must be None or an int > 0, got {max_bytes!r}")
         if shared is not None and type(shared) is not bool:
             raise ConfigError(f"Cache.shared must be None, True or False, got {shared!r}")
+        if type(always) is not bool:
+            raise ConfigError(f"Cache.always must be True or False, got {always!r}")
+        self.always = always
         self.root = Path(root).expanduser().absolute()
         self.format: CacheFormat = format
         self.counters = CacheStats()
@@ -200,8 +211,10 @@ class Cache:
         return True  # a handle: ``if cache:`` must not count the entries on disk
 
     def __repr__(self) -> str:
-        extra = (", read_only=True" if self.read_only else "") + (
-            ", shared=True" if self._modes.shared else ""
+        extra = (
+            (", read_only=True" if self.read_only else "")
+            + (", shared=True" if self._modes.shared else "")
+            + (", always=True" if self.always else "")
         )
         return (
             f"Cache({str(self.root)!r}, format={self.format!r}, max_bytes={self.max_bytes}{extra})"
