@@ -18,6 +18,7 @@ import torch
 
 from benchmarks import (
     cache,
+    concurrency,
     groups,
     limit,
     parquet,
@@ -47,6 +48,7 @@ SCENARIOS = {
     "dicom": groups.run_dicom,
     "parquet": parquet.run_parquet,
     "tails": tails.run_tails,
+    "concurrency": concurrency.run_concurrency,
 }
 RESULTS = Path(__file__).with_name("results")
 

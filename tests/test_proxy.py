@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import http.client
 import io
@@ -96,6 +97,35 @@ def test_bandwidth_cap_spreads_the_body(
     assert time.monotonic() - started >= 0.45
 
 
+def in_parallel(endpoint: str, path: str, n: int) -> list[Reply]:
+    """``n`` GETs of ``path`` sent at once, each on its own connection."""
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: raw_request(endpoint, "GET", path), range(n)))
+
+
+def test_a_total_bandwidth_cap_is_shared_by_the_responses_in_flight(
+    gcs_proxy: FaultProxy, gcs_object: tuple[str, bytes]
+) -> None:
+    path, data = gcs_object
+    gcs_proxy.set_faults(Faults(total_bandwidth=1024 * 1024))  # 3 x 256 KiB at 1 MiB/s: 0.75 s
+    started = time.monotonic()
+    assert [reply.body for reply in in_parallel(gcs_proxy.endpoint, path, 3)] == [data] * 3
+    assert time.monotonic() - started >= 0.7  # each alone would take 0.25 s
+    assert gcs_proxy.counters()["most_in_flight"] >= 2
+
+
+def test_requests_above_the_throttle_limit_are_answered_503(
+    gcs_proxy: FaultProxy, gcs_object: tuple[str, bytes]
+) -> None:
+    path, data = gcs_object
+    gcs_proxy.set_faults(Faults(latency=1.0, throttle_above=1))  # the second arrives meanwhile
+    replies = in_parallel(gcs_proxy.endpoint, path, 2)
+    assert sorted(reply.status for reply in replies) == [200, 503]
+    assert data in [reply.body for reply in replies]
+    counters = gcs_proxy.counters()
+    assert counters["throttled"] == 1 and counters["error_503"] == 0
+
+
 @pytest.mark.parametrize(
     ("flavor", "status", "marker"),
     [
@@ -171,7 +201,14 @@ def test_same_seed_same_fault_sequence(gcs: FakeGcsServer, gcs_object: tuple[str
 
 @pytest.mark.parametrize(
     "bad",
-    [{"latency": -1}, {"error_503": 1.5}, {"reset": 0.6, "truncate": 0.6}, {"bandwidth": 0}],
+    [
+        {"latency": -1},
+        {"error_503": 1.5},
+        {"reset": 0.6, "truncate": 0.6},
+        {"bandwidth": 0},
+        {"total_bandwidth": -1},
+        {"throttle_above": 0},
+    ],
 )
 def test_bad_faults_are_config_errors(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="Faults"):

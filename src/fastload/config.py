@@ -23,7 +23,15 @@ def _check(owner: object, name: str, ok: bool, expected: str) -> None:
 class FetchConfig:
     """How :mod:`fastload.fetcher` reads objects.
 
-    concurrency: requests in flight at once.
+    concurrency: the most requests in flight at once, shared by every ``fetch()`` of one
+        Fetcher in a process (threads included); the ceiling of the adaptive limit.
+    adaptive: tune the requests in flight by what the store answers (the default): start at
+        16 (or ``concurrency`` if lower), double while throughput (bytes/s) rises, then probe
+        a quarter up and down, keeping a step only where throughput follows (more in flight
+        where it rises, fewer where it does not: a bandwidth cap); a throttling answer (503
+        SlowDown, 429) cuts the limit to 0.7 of itself, at most once per round of answers,
+        never below 4. False: always ``concurrency`` in flight (a fixed setting). The limit
+        is counted in FetchStats (``limit``, ``limit_peak``, ``limit_cuts``, ``throttled``).
     timeout: seconds an attempt may go without receiving anything (before the first byte, then
         between chunks of the body) before it counts as a transient failure; a slow body that
         keeps arriving is never cut off.
@@ -51,6 +59,7 @@ class FetchConfig:
     """
 
     concurrency: int = 64
+    adaptive: bool = True
     timeout: float = 60.0
     retries: int = 6
     outage_budget: float = 180.0
@@ -63,6 +72,7 @@ class FetchConfig:
 
     def __post_init__(self) -> None:
         _check(self, "concurrency", _is_int(self.concurrency) and self.concurrency >= 1, ">= 1")
+        _check(self, "adaptive", isinstance(self.adaptive, bool), "a bool")
         _check(self, "timeout", _is_num(self.timeout) and self.timeout > 0, "> 0")
         _check(self, "retries", _is_int(self.retries) and self.retries >= 0, ">= 0")
         for name in ("outage_budget", "quarantine", "backoff", "max_backoff"):
@@ -83,7 +93,8 @@ class FetchConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FetchConfig:
-        """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY).
+        """Defaults overridden by ``FASTLOAD_FETCH_<FIELD>`` (e.g. FASTLOAD_FETCH_CONCURRENCY,
+        FASTLOAD_FETCH_ADAPTIVE=false for a fixed ``concurrency``).
         ``FASTLOAD_FETCH_FAST_PATH`` is the S3 store's default now (:func:`s3_fast_path`)."""
         return _from_env(cls(), "FASTLOAD_FETCH_", environ, skip={"fast_path"})
 

@@ -1,5 +1,8 @@
 """Read many objects (or byte ranges) at once: bounded concurrency, retries, hedging, counters.
 
+The requests in flight are bounded per Fetcher and process, across every ``fetch()`` call,
+by a limit tuned to what the store answers (:mod:`fastload._inflight`).
+
 Reads go to each URL's :class:`~fastload.stores.Store` (:func:`fastload.stores.open_store`),
 driven on fsspec's IO loop (the one s3fs and gcsfs run on); this module does not know which
 backend serves them. A store raises fastload's errors only, naming the object: transient ones
@@ -13,6 +16,7 @@ import asyncio
 import collections
 import functools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from typing import Any
 
 import fsspec.asyn
 
+from fastload._inflight import InFlight
 from fastload.config import FetchConfig
 from fastload.errors import ConfigError, FastloadError, ObjectChangedError, TransientStoreError
 from fastload.stats import FetchStats
@@ -34,6 +39,7 @@ from fastload.stores import (
     storage_options_of,
 )
 from fastload.stores._base import Patience, http_range
+from fastload.stores._errors import throttling
 from fastload.stores._retry import retrying
 from fastload.stores.s3 import FAST_PATH
 
@@ -145,9 +151,12 @@ class Fetcher:
         self._outage_logged = 0.0
         self._quarantined: dict[str, float] = {}  # url -> when it may be tried again
         self._tail = _Tail(self.config)
+        self._in_flight: InFlight | None = None  # made on the IO loop, per process
+        self._in_flight_pid = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_probe": None, "_last_ok_target": None}  # this process's
+        this_process = {"_probe": None, "_last_ok_target": None, "_in_flight": None}
+        return {**self.__dict__, **this_process}
 
     def stats(self) -> dict[str, float | int]:
         """A snapshot of :attr:`counters`, with latency percentiles."""
@@ -195,11 +204,17 @@ class Fetcher:
         targets: list[_Target],
         return_exceptions: bool,
     ) -> list[Any]:
-        gate = asyncio.Semaphore(self.config.concurrency)
+        gate = self._gate()
 
         async def bounded(request: Request, target: _Target) -> bytes | memoryview:
-            async with gate:
-                return await self._fetch_one(request, target)
+            await gate.acquire()
+            size = 0
+            try:
+                data = await self._fetch_one(request, target)
+                size = len(data)
+                return data
+            finally:
+                gate.release(size)
 
         tasks = [
             asyncio.ensure_future(bounded(r, t)) for r, t in zip(requests, targets, strict=True)
@@ -209,6 +224,14 @@ class Fetcher:
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _gate(self) -> InFlight:
+        """This process's limit on requests in flight, shared by every ``fetch()``: a forked
+        child's requests are not its parent's (whose slots it would never see freed)."""
+        pid = os.getpid()
+        if self._in_flight is None or self._in_flight_pid != pid:
+            self._in_flight, self._in_flight_pid = InFlight(self.config, self.counters), pid
+        return self._in_flight
 
     async def _fetch_one(self, request: Request, target: _Target) -> bytes | memoryview:
         url = request.url
@@ -275,6 +298,8 @@ class Fetcher:
             now = time.monotonic()
             failed_at = failed_at or now
             self._transient_failures += 1
+            if self._in_flight is not None and throttling(error):
+                self._in_flight.throttled()
             stalls += isinstance(error.__cause__, TimeoutError)
             others_failed = self._transient_failures - mark > failures
             answering = self._last_ok > failed_at and not others_failed

@@ -135,6 +135,13 @@ class FetchStats:
     quarantined: int = 0  # objects given up while the store answered others (see FetchConfig)
     hedges: int = 0  # duplicate requests sent for the slow tail
     hedge_wins: int = 0  # hedges that answered first
+    # requests allowed in flight now and the most so far (FetchConfig.adaptive tunes it; each
+    # process counts its own, DataLoader workers' are added up), throttling answers (503
+    # SlowDown, 429) and the cuts of the limit they made
+    limit: int = 0
+    limit_peak: int = 0
+    throttled: int = 0
+    limit_cuts: int = 0
     # shard chunks read again after memory dropped them before they served a quarter of their
     # samples: an order that is not by chunk (see fastload.sources._chunks)
     chunks_read_early: int = 0

@@ -25,7 +25,7 @@ from fastload.errors import (
     TransientStoreError,
 )
 
-__all__ = ["Kind", "boundary", "classify", "redact", "secret_values", "translate"]
+__all__ = ["Kind", "boundary", "classify", "redact", "secret_values", "throttling", "translate"]
 
 
 class Kind(enum.Enum):
@@ -65,6 +65,17 @@ _TRANSIENT_CODES = {
     "service_unavailable",
     "too_many_requests",
     "internal_error",
+}
+# of the transient codes, those that ask the client to send fewer requests
+_THROTTLING_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "503",
+    "429",
+    "service_unavailable",
+    "too_many_requests",
 }
 _B2_NOT_FOUND = {"FileNotPresent", "NonExistentBucket", "BucketIdNotFound"}
 _B2_DENIED = {
@@ -121,14 +132,9 @@ def _classify_one(exc: BaseException) -> Kind | None:
         return Kind.TRANSIENT
     if "GenericError" in names:  # obstore: the HTTP status is only in the message
         return _obstore_kind(str(exc))
-    response = getattr(exc, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        error = response.get("Error", {})
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return _code_kind(error.get("Code")) or _code_kind(status)
-    code = getattr(exc, "code", None)  # gcsfs HttpError, b2sdk errors
-    if isinstance(code, (int, str)) and (kind := _code_kind(code)) is not None:
-        return kind
+    for code in _codes(exc):
+        if (kind := _code_kind(code)) is not None:
+            return kind
     if isinstance(exc, FileNotFoundError):
         return Kind.NOT_FOUND
     if isinstance(exc, PermissionError):
@@ -155,7 +161,35 @@ def _classify_one(exc: BaseException) -> Kind | None:
     return None
 
 
-_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+def _codes(exc: BaseException) -> tuple[object, ...]:
+    """The provider's codes ``exc`` carries: botocore's error code and HTTP status, else a
+    ``code`` (gcsfs's HttpError, b2sdk's errors)."""
+    response = getattr(exc, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return response.get("Error", {}).get("Code"), status
+    code = getattr(exc, "code", None)
+    return (code,) if isinstance(code, (int, str)) else ()
+
+
+def throttling(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store asking for fewer requests: a 503 (S3's SlowDown, GCS's
+    and B2's service_unavailable) or a 429, from any client, anywhere in its chain."""
+    for link in _chain(exc):
+        names = {cls.__name__ for cls in type(link).__mro__}
+        if "TooManyRequests" in names:  # b2sdk
+            return True
+        codes = _codes(link)
+        if "GenericError" in names or isinstance(link, StoreError):  # obstore; B2's GET (below)
+            status = _STATUS.search(str(link))
+            codes = (status.group(1),) if status else ()
+        if any(str(code) in _THROTTLING_CODES for code in codes):
+            return True
+    return False
+
+
+# an HTTP status in a message: obstore's, and fastload's B2 GET's own (stores/_b2get.py)
+_STATUS = re.compile(r"(?:non-2xx status code:|B2 said) (\d{3})")
 
 
 def _obstore_kind(message: str) -> Kind | None:

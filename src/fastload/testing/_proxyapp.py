@@ -68,6 +68,8 @@ class ProxyApp:
         self.upstream = upstream.rstrip("/")
         self.flavor = flavor
         self.counters: Counter[str] = Counter()
+        self.in_flight = 0  # requests being served
+        self.link_free = 0.0  # when the shared link (total_bandwidth) has sent what it was given
         self.set_faults(faults)
         self._session: aiohttp.ClientSession | None = None
 
@@ -124,13 +126,33 @@ class ProxyApp:
         return None
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        counters = self.counters
+        counters["most_in_flight"] = max(counters["most_in_flight"], self.in_flight)
+        try:
+            return await self._serve(request)
+        finally:
+            self.in_flight -= 1
+
+    def _over_limit(self, method: str) -> bool:
+        """Whether a request arriving now is throttled (``Faults.throttle_above``)."""
+        faults = self.faults
+        if faults.throttle_above is None or (faults.methods and method not in faults.methods):
+            return False
+        return self.in_flight > faults.throttle_above  # (in_flight counts this request)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
         faults = self.faults
         self.counters["requests"] += 1
-        fault = self._pick_fault(request.method)
+        throttled = self._over_limit(request.method)
+        fault = None if throttled else self._pick_fault(request.method)
         delay = faults.latency + (self.rng.random() * faults.jitter if faults.jitter else 0.0)
         body = await request.read()
         if delay:
             await asyncio.sleep(delay)
+        if throttled:
+            self.counters["throttled"] += 1
+            return provider_error(self.flavor, 503)
         if fault is not None:
             self.counters[fault] += 1
         if fault == "error_503":
@@ -199,14 +221,24 @@ class ProxyApp:
         return response
 
     async def _write_body(self, response: web.StreamResponse, payload: bytes) -> None:
-        rate = self.faults.bandwidth
-        if rate is None:
+        if self.faults.bandwidth is None and self.faults.total_bandwidth is None:
             await response.write(payload)
             return
         for offset in range(0, len(payload), _CHUNK):
             chunk = payload[offset : offset + _CHUNK]
-            await asyncio.sleep(len(chunk) / rate)  # pace first: the last byte lands on time
+            await asyncio.sleep(self._pace(len(chunk)))  # pace first: the last byte lands on time
             await response.write(chunk)
+
+    def _pace(self, size: int) -> float:
+        """Seconds to wait before sending ``size`` bytes of a body: their time at the
+        response's own rate, and their turn on the shared link (each chunk books the link
+        after those booked before it, so responses in flight split its rate)."""
+        faults, now = self.faults, asyncio.get_running_loop().time()
+        wait = size / faults.bandwidth if faults.bandwidth else 0.0
+        if faults.total_bandwidth:
+            self.link_free = max(now, self.link_free) + size / faults.total_bandwidth
+            wait = max(wait, self.link_free - now)
+        return wait
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """A fault-injecting reverse proxy for the loopback object stores.
 
 It sits in front of any of the servers (or a real endpoint) and adds, per request: latency and
-jitter, a bandwidth cap, provider-shaped 503 (throttling) and 500 errors, connection resets,
+jitter, a bandwidth cap (per response, or shared by all: a store's link), provider-shaped 503
+(throttling: at random, or above a number of requests in flight) and 500 errors, connection resets,
 truncated bodies (full Content-Length, half the bytes), overlong bodies (64 bytes more than
 the range asked for, Content-Length to match) and stalls. Rates and the seed are set at
 start and can be changed while it runs; counters are readable. The Host header is forwarded
@@ -28,7 +29,8 @@ Flavor = Literal["s3", "gcs", "b2"]
 CONTROL_PATH = "/__fastload_proxy__"
 OVERLONG = 64  # bytes an overlong answer adds
 _RATES = ("error_503", "error_500", "reset", "truncate", "overlong", "stall")
-COUNTER_KEYS = ("requests", "forwarded", "bytes_out", *_RATES)
+# throttled: 503s for ``throttle_above``; most_in_flight: the most requests served at once
+COUNTER_KEYS = ("requests", "forwarded", "bytes_out", *_RATES, "throttled", "most_in_flight")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class Faults:
     """Extra seconds, uniform in [0, jitter), added to ``latency``."""
     bandwidth: float | None = None
     """Response body rate cap in bytes/s per response (None: uncapped)."""
+    total_bandwidth: float | None = None
+    """Response body rate cap in bytes/s shared by every response at once, as a store's link
+    is: more requests in flight split it, none is faster (None: uncapped)."""
+    throttle_above: int | None = None
+    """Answer 503 (the provider's throttling answer: S3's SlowDown) to a request that arrives
+    while this many are being served already: a store throttling a client that sends too much
+    at once (None: never). Counted in ``throttled``, not ``error_503``."""
     error_503: float = 0.0
     error_500: float = 0.0
     reset: float = 0.0
@@ -61,8 +70,10 @@ class Faults:
         for name in ("latency", "jitter", "stall_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"Faults.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.bandwidth is not None and self.bandwidth <= 0:
-            raise ConfigError(f"Faults.bandwidth must be > 0 or None, got {self.bandwidth!r}")
+        for name in ("bandwidth", "total_bandwidth", "throttle_above"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"Faults.{name} must be > 0 or None, got {value!r}")
         for name in _RATES:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -131,7 +142,8 @@ class FaultProxy(ServerProcess):
         return Faults.from_json(json.dumps(self._control("faults")))
 
     def counters(self) -> dict[str, int]:
-        """requests, forwarded, bytes_out and one count per injected fault kind."""
+        """requests, forwarded, bytes_out, one count per injected fault kind, and the most
+        requests served at once (``most_in_flight``)."""
         counters: dict[str, int] = self._control("counters")
         return counters
 
