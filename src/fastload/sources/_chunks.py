@@ -16,7 +16,10 @@ first worker that wants it into a file there, and every worker maps that file, s
 in memory once (see that module). Chunks this process was given already (:meth:`ChunkReader.seed`:
 what indexing read) go there when the reader is pickled for a worker, so workers that start by
 pickling (forkserver, spawn) do not read them again, and this process then lets its own copies
-go; forked workers have them in the memory they share. Without workers a process reads and keeps
+go; forked workers have them in the memory they share. A source whose chunks are decoded into
+values of their own (parquet: a row group's columns) keeps them decoded there instead
+(:class:`Decoded`): the first process decodes a chunk, and every process maps what it decoded,
+so no worker holds a decoded copy of its own. Without workers a process reads and keeps
 chunks in its own memory. A scratch folder that cannot be written (a full disk) costs only the
 sharing: the workers then read chunks themselves, and say so once.
 """
@@ -27,9 +30,10 @@ import ctypes
 import functools
 import logging
 import os
+import sys
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +42,10 @@ import numpy as np
 
 from fastload.errors import CacheError, ShardError
 from fastload.fetcher import Fetcher, Request
-from fastload.sources._scratch import Scratch
+from fastload.sources._scratch import Parts, Scratch
 from fastload.sources._scratch import in_memory as _in_memory  # noqa: F401 (tests import it here)
 
-__all__ = ["Chunk", "ChunkReader"]
+__all__ = ["Chunk", "ChunkReader", "Decoded"]
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +71,25 @@ class Chunk:
         return self.spans or ((self.start, self.end),)
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """How a source keeps its chunks decoded in the scratch folder: ``encode(chunk, body)``
+    gives what the chunk's file holds, from the chunk's bytes (run once, by the first process
+    that reads the chunk), and ``load(chunk, view)`` the loaded chunk from a read-only mapping of
+    that file (in every process: it should copy nothing)."""
+
+    encode: Callable[[Chunk, bytes | memoryview], Parts]
+    load: Callable[[Chunk, memoryview], Any]
+
+
 class ChunkReader:
     """Reads chunks for a batch and keeps recent ones (see the module docstring).
 
     ``load(chunk, body)`` turns a chunk's bytes into what the source slices samples from (it
     runs once per read; an exception it raises becomes that chunk's failure, not cached), and
     ``weigh`` gives the bytes a loaded chunk holds in memory. ``drop_served``: the samples
-    served are cached, so a chunk whose samples have all been served is let go.
+    served are cached, so a chunk whose samples have all been served is let go. ``decoded``:
+    chunks are kept decoded in the scratch folder (see :class:`Decoded`), not as their bytes.
     """
 
     def __init__(
@@ -85,9 +101,10 @@ class ChunkReader:
         samples: np.ndarray,
         root: str,
         drop_served: bool = False,
+        decoded: Decoded | None = None,
     ) -> None:
         self.memory_bytes = memory_bytes
-        self._load, self._weigh = load, weigh
+        self._load, self._weigh, self._decoded = load, weigh, decoded
         # the samples in each chunk (by Chunk.index), which judge the order they are read in
         self._samples, self._root = samples, root
         self._drop_served = drop_served
@@ -240,13 +257,31 @@ class ChunkReader:
             try:
                 found = self.shared.get(
                     [c.index for c in chunks],
-                    lambda positions: self._fetch([chunks[p] for p in positions], fetcher),
+                    lambda positions: self._stored([chunks[p] for p in positions], fetcher),
                 )
             except CacheError as exc:
                 self._unshareable(exc)
             else:
                 return [(b, -1) if isinstance(b, BaseException) else b for b in found]
         return [(_joined(parts), -1) for parts in self._fetch(chunks, fetcher)]
+
+    def _stored(self, chunks: list[Chunk], fetcher: Fetcher) -> Iterator[Parts | BaseException]:
+        """What each chunk's scratch file is to hold (its bytes, or those decoded), or why it
+        cannot: read at once, then decoded one by one as the scratch folder stores each (where
+        the source keeps chunks decoded), so that one chunk's decoding is in memory at a time."""
+        bodies = self._fetch(chunks, fetcher)[::-1]
+        for chunk in chunks:
+            yield self._encoded(chunk, bodies.pop())  # its bytes let go once decoded
+
+    def _encoded(self, chunk: Chunk, parts: Any) -> Parts | BaseException:
+        """A chunk's bytes (in ``parts``, or why they could not be read) as its scratch file
+        holds them."""
+        if isinstance(parts, BaseException) or self._decoded is None:
+            return parts  # type: ignore[no-any-return]
+        try:
+            return self._decoded.encode(chunk, _joined(parts))
+        except Exception as exc:
+            return _failure(chunk, exc)
 
     def _unshareable(self, error: CacheError) -> None:
         """Stop sharing chunks through a scratch folder that cannot be written, saying why."""
@@ -287,7 +322,9 @@ class ChunkReader:
             seeds, self._unshared = list(self._unshared.items()), {}
         try:
             for chunk, body in seeds:
-                self.shared.put(chunk.index, [body])
+                stored = self._encoded(chunk, [body])
+                if not isinstance(stored, BaseException):
+                    self.shared.put(chunk.index, stored)
         except CacheError as exc:
             self._unshareable(exc)
             return
@@ -297,9 +334,12 @@ class ChunkReader:
                 self._forget(chunk)
 
     def _read(self, chunks: list[Chunk], fetcher: Fetcher, out: dict[Chunk, Any]) -> None:
+        if self._through_scratch() and os.getpid() != self._owner:
+            _map_large_buffers()  # in a worker, from its first read (see there)
         bodies = self._bodies(chunks, fetcher)
         for chunk, (body, generation) in zip(chunks, bodies, strict=True):
-            value = body if isinstance(body, BaseException) else self._loaded(chunk, body)
+            failed = isinstance(body, BaseException)
+            value = body if failed else self._loaded(chunk, body, generation)
             out[chunk] = value
             with self._lock:
                 if not isinstance(value, BaseException):
@@ -308,16 +348,15 @@ class ChunkReader:
         if self._through_scratch():
             _give_back_memory()
 
-    def _loaded(self, chunk: Chunk, body: bytes | memoryview) -> Any:
+    def _loaded(self, chunk: Chunk, body: bytes | memoryview, generation: int = -1) -> Any:
+        """The chunk loaded from its bytes, or from its scratch file (``generation`` >= 0: a
+        mapping of it, decoded already where ``decoded`` says so); or why it cannot be."""
         try:
+            if generation >= 0 and self._decoded is not None:
+                return self._decoded.load(chunk, memoryview(body))
             return self._load(chunk, body)
-        except ShardError as exc:
-            return exc
-        except Exception as exc:  # the format library's own errors
-            reason = f"{type(exc).__name__}: {exc}"[:300]
-            error = ShardError(f"cannot read {chunk.label} ({reason})", url=chunk.url)
-            error.__cause__ = exc
-            return error
+        except Exception as exc:
+            return _failure(chunk, exc)
 
     def _keep(self, chunk: Chunk, value: Any, generation: int) -> None:
         weight = self._weigh(value)
@@ -340,6 +379,7 @@ _PICKLED = (
     "_samples",
     "_root",
     "_drop_served",
+    "_decoded",
 )
 _EARLY = 4  # a chunk dropped before serving a quarter of its samples was dropped early
 _EARLY_READS = 32  # chunks read again after an early drop before the order is named
@@ -347,17 +387,51 @@ _EARLY_READS = 32  # chunks read again after an early drop before the order is n
 
 def _give_back_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-    nothing). A chunk read through the scratch folder leaves only transient buffers of its size
-    in this process (the body fetched, what a format's decoding frees), which glibc otherwise
-    keeps: each worker would hold about as much again as the chunks it decodes."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    nothing), and those of pyarrow's pool where pyarrow is in use. A chunk read through the
+    scratch folder leaves only transient buffers of its size in this process (the body fetched,
+    what a format's decoding frees), which glibc and pyarrow otherwise keep: each worker would
+    hold about as much again as the chunks it decodes."""
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None:
+        arrow.default_memory_pool().release_unused()
+    glibc = _glibc()
+    if glibc is not None:
+        glibc.malloc_trim(0)
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+def _glibc() -> Any:
+    """glibc, for ``malloc_trim`` and ``mallopt`` (None elsewhere)."""
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+@functools.cache
+def _map_large_buffers() -> None:
+    """Tell glibc, once, to map each buffer of ``_MAPPED`` bytes or more on its own. By default
+    it raises that threshold to the largest buffer freed (up to 32 MiB), and then keeps the
+    chunk-sized buffers of other threads (the store client's bodies) at the top of their
+    arenas, which ``malloc_trim`` does not give back: a worker that decodes chunks kept about
+    three of them more (tests/test_chunk_memory.py). In DataLoader workers only: the loop's
+    process keeps glibc's defaults for the user's own buffers (a buffer mapped on its own costs
+    a page fault per 4 KB each time it is made)."""
+    glibc = _glibc()
+    if glibc is not None:
+        glibc.mallopt(_M_MMAP_THRESHOLD, _MAPPED)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MAPPED = 8 << 20  # buffers of a chunk's size, not a sample's
+
+
+def _failure(chunk: Chunk, exc: Exception) -> ShardError:
+    """A chunk's load that failed, as its ShardError (a format library's own errors named)."""
+    if isinstance(exc, ShardError):
+        return exc
+    reason = f"{type(exc).__name__}: {exc}"[:300]
+    error = ShardError(f"cannot read {chunk.label} ({reason})", url=chunk.url)
+    error.__cause__ = exc
+    return error
 
 
 def _failed(bodies: list[Any]) -> list[Any] | BaseException:

@@ -12,7 +12,8 @@ the number of workers. The folder::
                         generation (one more at each store or drop), its size, its last use
         locks           byte i: the lock of chunk i's read; byte n (the number of chunks): the
                         lock of ``state``
-        chunks/<i>      chunk i's bytes, written whole before they get their name
+        chunks/<i>      chunk i's bytes (decoded, for a source that keeps chunks decoded:
+                        a parquet row group's columns), written whole before they get their name
 
 A file is written unnamed (``O_TMPFILE``) and linked in when complete, so a worker killed while
 writing one leaves nothing behind. The files together are kept within ``budget`` bytes (the
@@ -40,7 +41,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,11 @@ class Scratch:
     def get(
         self,
         indices: Sequence[int],
-        fetch: Callable[[list[int]], Sequence[Parts | BaseException]],
+        fetch: Callable[[list[int]], Iterable[Parts | BaseException]],
     ) -> list[Mapped | BaseException]:
         """Chunks ``indices`` mapped, each from its file, or first read (``fetch(positions)``:
-        each chunk's bytes in parts, or why it could not be read) and stored. A chunk another
+        each chunk's bytes in parts, or why it could not be read, in order; each is stored
+        before the next is asked for) and stored. A chunk another
         process is reading is waited for; one this process reads, the others wait for."""
         out: list[Mapped | BaseException | None] = [self._map(i) for i in indices]
         missing = [p for p, found in enumerate(out) if found is None]
@@ -128,7 +130,7 @@ class Scratch:
         self,
         positions: list[int],
         indices: Sequence[int],
-        fetch: Callable[[list[int]], Sequence[Parts | BaseException]],
+        fetch: Callable[[list[int]], Iterable[Parts | BaseException]],
         out: list[Mapped | BaseException | None],
     ) -> None:
         """Map or else read and store the chunks at ``positions`` (their locks held)."""
@@ -137,6 +139,7 @@ class Scratch:
         todo = [p for p in positions if out[p] is None]
         for p, parts in zip(todo, fetch(todo) if todo else [], strict=True):
             out[p] = parts if isinstance(parts, BaseException) else self._store(indices[p], parts)
+            del parts  # written: let it go before the next is made
 
     def put(self, index: int, parts: Parts) -> None:
         """Store chunk ``index`` (read already), unless it is stored."""

@@ -25,7 +25,7 @@ from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest
 from fastload.ranks import on_every_rank
 from fastload.sources import Part, Sample, parts_bytes
-from fastload.sources._chunks import Chunk, ChunkReader
+from fastload.sources._chunks import Chunk, ChunkReader, Decoded
 from fastload.sources._indexes import SLOT, ShardIndexes
 
 __all__ = ["Shards"]
@@ -104,6 +104,7 @@ class Shards:
             samples=np.diff(self.blocks, append=self._count),
             root=self.root,
             drop_served=cache is not None,  # served samples come from the cache from then on
+            decoded=self._decoded(),
         )
         for chunk in self._chunks:
             seed = memoryview(self._seeds.get(chunk.url, b""))
@@ -152,6 +153,11 @@ class Shards:
 
     def _weigh(self, loaded: Any) -> int:
         return len(loaded)
+
+    def _decoded(self) -> Decoded | None:
+        """How chunks are kept decoded in the scratch folder that DataLoader workers share (see
+        :class:`~fastload.sources._chunks.Decoded`); None: as their bytes."""
+        return None
 
     def _payload(self, index: int, chunk: int, loaded: Any) -> Any:
         raise NotImplementedError

@@ -11,17 +11,23 @@ cut between two files (a value that ends one file and starts another).
 Indexing a file reads its footer (one suffix read, two for a large footer) and, with
 ``row_key``, that column's chunks only; the index is kept in the dataset's cache by the file's
 version. A row group is one chunk (row groups that a run spans are one chunk together): the
-batches that shard-aware shuffling draws from it cost one ranged read, decoded once per
-process. Needs ``fastload[parquet]``.
+batches that shard-aware shuffling draws from it cost one ranged read, decoded once. DataLoader
+workers share it decoded: the first worker that wants a row group decodes it into a file in the
+reader's scratch folder (see :mod:`fastload.sources._chunks`), each column as numpy values (a
+numeric column, a list column's items) or, for other values, each row's pickle, and every worker
+maps that file, taking a sample's values from it (its own copies of that row alone). Needs
+``fastload[parquet]``.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import pickle
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,7 +37,8 @@ from fastload.errors import ConfigError, ShardError
 from fastload.fetcher import Fetcher
 from fastload.manifest import Entry, Manifest, Strings
 from fastload.sources import Opening, Source
-from fastload.sources._chunks import Chunk
+from fastload.sources._chunks import Chunk, Decoded
+from fastload.sources._scratch import Parts
 from fastload.sources._shards import Shards, check_chunks
 
 __all__ = ["Parquet", "ParquetShards"]
@@ -42,9 +49,128 @@ _TAIL = 64 << 10  # the first suffix read: most footers fit
 _SPAN_GAP = 1 << 20  # bytes between chosen columns read rather than skipped (a request costs more)
 
 
+_STORED = b"fastload-rowgroup/1\n"  # a row group decoded, as its scratch file holds it
+_ALIGN = 64  # where each of its arrays starts: numpy reads them in place
+
+
+class _Column(Protocol):
+    """A decoded column of a row group, from which a sample takes its values."""
+
+    def row(self, i: int) -> Any:
+        """Row ``i``'s value, its own (see ``ParquetShards._payload``)."""
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``a`` to ``b`` as an array of their own."""
+
+
+@dataclass(frozen=True)
+class _Values:
+    """A column as numpy values (see :func:`_numpy`): decoded here, or a mapping of them."""
+
+    values: np.ndarray
+
+    def row(self, i: int) -> Any:
+        return _own(self.values[i])
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        out: np.ndarray = self.values[a:b].copy()
+        return out
+
+
+@dataclass(frozen=True)
+class _Nullable:
+    """Numbers among nulls (integers, which ``_numpy`` keeps exact as objects): the values (0
+    at a null) and where the nulls are."""
+
+    values: np.ndarray
+    nulls: np.ndarray
+
+    def row(self, i: int) -> Any:
+        return None if self.nulls[i] else self.values[i]
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return _objects([self.row(i) for i in range(a, b)])
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """Arrays of one dtype, or nulls (a list column's rows): their items one after another,
+    where each row's end, and where the nulls are."""
+
+    items: np.ndarray
+    ends: np.ndarray
+    nulls: np.ndarray
+
+    def row(self, i: int) -> Any:
+        return None if self.nulls[i] else self.items[_start(self.ends, i) : self.ends[i]].copy()
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return _objects([self.row(i) for i in range(a, b)])
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """A binary column's values: their bytes one after another, where each row's end, and
+    where the nulls are."""
+
+    data: np.ndarray
+    ends: np.ndarray
+    nulls: np.ndarray
+
+    def row(self, i: int) -> Any:
+        if self.nulls[i]:
+            return None
+        return self._value(self.data[_start(self.ends, i) : self.ends[i]].data)
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return _objects([self.row(i) for i in range(a, b)])
+
+    def _value(self, raw: memoryview) -> Any:
+        return bytes(raw)
+
+
+class _Strings(_Bytes):
+    """A string column's values (see :class:`_Bytes`), UTF-8."""
+
+    def _value(self, raw: memoryview) -> Any:
+        return str(raw, "utf-8")
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    """Any other values (strings, bytes, structs' dicts, ...): each row's pickle, one after
+    another, and where each ends."""
+
+    blob: np.ndarray
+    ends: np.ndarray
+
+    def row(self, i: int) -> Any:
+        return pickle.loads(self.blob[_start(self.ends, i) : self.ends[i]].data)
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return _objects([self.row(i) for i in range(a, b)])
+
+
+_KINDS: dict[str, Any] = {
+    "values": _Values,
+    "nullable": _Nullable,
+    "ragged": _Ragged,
+    "bytes": _Bytes,
+    "strings": _Strings,
+    "pickled": _Pickled,
+}
+# pyarrow's string and binary types: kept as their bytes (with offsets of this width)
+_TEXT: dict[str, tuple[str, np.dtype[Any]]] = {
+    "string": ("strings", np.dtype(np.int32)),
+    "large_string": ("strings", np.dtype(np.int64)),
+    "binary": ("bytes", np.dtype(np.int32)),
+    "large_binary": ("bytes", np.dtype(np.int64)),
+}
+
+
 @dataclass(frozen=True)
 class _RowGroup:
-    columns: dict[str, np.ndarray]
+    columns: dict[str, _Column]
     nbytes: int
 
 
@@ -318,6 +444,19 @@ class ParquetShards(Shards):
         return f"row={index - self._firsts[c] + self._rows_before[c]}"
 
     def _load(self, chunk: Chunk, body: bytes | memoryview) -> _RowGroup:
+        """The chunk's row groups decoded, from its bytes, into this process's own memory:
+        each column as numpy values (see :func:`_numpy`)."""
+        table = self._table(chunk, body)
+        columns: dict[str, _Column] = {
+            name: _Values(_numpy(table.column(name))) for name in table.column_names
+        }
+        loaded = _RowGroup(columns, int(table.nbytes))
+        del table  # what decoding allocated, given back: pyarrow's pool keeps it else
+        _arrow().default_memory_pool().release_unused()
+        return loaded
+
+    def _table(self, chunk: Chunk, body: bytes | memoryview) -> Any:
+        """The chunk's row groups as a pyarrow table, from its bytes."""
         meta = self._metadata(self._footers[self._chunk_shard[chunk.index]])
         parts, at = {}, 0  # views of the chunk's bytes (a worker's map its scratch file): no copy
         for a, b in chunk.ranges:
@@ -325,15 +464,38 @@ class ParquetShards(Shards):
             at += b - a
         file = _parquet().ParquetFile(_Sparse(chunk.size, parts), metadata=meta)
         chosen = None if self.columns is None else list(self.columns)
-        table = file.read_row_groups(self._groups[chunk.index], columns=chosen)
-        columns = {name: _numpy(table.column(name)) for name in table.column_names}
-        loaded = _RowGroup(columns, int(table.nbytes))
-        del table, file  # what decoding allocated, given back: pyarrow's pool keeps it else
-        _arrow().default_memory_pool().release_unused()
-        return loaded
+        return file.read_row_groups(self._groups[chunk.index], columns=chosen, use_threads=False)
 
     def _weigh(self, loaded: Any) -> int:
         return int(loaded.nbytes)
+
+    def _decoded(self) -> Decoded:
+        """Row groups are shared decoded (see the module docstring)."""
+        return Decoded(self._encode, _open)
+
+    def _encode(self, chunk: Chunk, body: bytes | memoryview) -> Parts:
+        """The chunk decoded, as its scratch file holds it: after a header (``_STORED``, then
+        the length and JSON of each column's kind and arrays: dtype, start, length), each
+        column's arrays (see :func:`_stored`), each at a multiple of ``_ALIGN`` bytes after it.
+        A string or binary column's bytes are pyarrow's own, not copied before the write."""
+        described: list[dict[str, Any]] = []
+        arrays: list[bytes | memoryview] = []
+        at = 0
+        table = self._table(chunk, body)
+        for name in table.column_names:
+            kind, parts = _stored(table.column(name))
+            spans = []
+            for part in parts:
+                pad = bytes(-part.nbytes % _ALIGN)
+                spans.append((part.dtype.str, at, len(part)))
+                arrays += [part.view(np.uint8).data, pad]
+                at += part.nbytes + len(pad)
+            described.append({"name": name, "kind": kind, "arrays": spans})
+        del table  # its buffers live on in ``arrays`` until written
+        _arrow().default_memory_pool().release_unused()  # what decoding freed: pyarrow keeps it
+        header = json.dumps(described).encode()
+        pad = bytes(-(len(_STORED) + 8 + len(header)) % _ALIGN)
+        return [_STORED, len(header).to_bytes(8, "little"), header, pad, *arrays]
 
     def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, Any]:
         """The sample's values, its own arrays: views of the chunk (read-only, which
@@ -341,9 +503,92 @@ class ParquetShards(Shards):
         in place change what the next read of the chunk in memory gives."""
         if self.row_key is not None:
             a, b = self._runs[index]
-            return {name: values[a:b].copy() for name, values in loaded.columns.items()}
+            return {name: column.rows(a, b) for name, column in loaded.columns.items()}
         row = index - self._firsts[chunk]
-        return {name: _own(values[row]) for name, values in loaded.columns.items()}
+        return {name: column.row(row) for name, column in loaded.columns.items()}
+
+
+def _open(chunk: Chunk, view: memoryview) -> _RowGroup:
+    """A chunk decoded by :meth:`ParquetShards._encode`, from a mapping of its file: its
+    columns' arrays are views of that mapping (no copy)."""
+    head = len(_STORED) + 8
+    if view[: len(_STORED)] != _STORED:
+        raise ShardError(f"{chunk.label} in the scratch folder is not a decoded row group")
+    length = int.from_bytes(view[len(_STORED) : head], "little")
+    base = head + length + (-(head + length) % _ALIGN)
+    columns: dict[str, _Column] = {}
+    for column in json.loads(view[head : head + length].tobytes()):
+        arrays = [
+            np.frombuffer(view, np.dtype(dtype), count=count, offset=base + start)
+            for dtype, start, count in column["arrays"]
+        ]
+        columns[column["name"]] = _KINDS[column["kind"]](*arrays)
+    return _RowGroup(columns, len(view))
+
+
+def _stored(column: Any) -> tuple[str, list[np.ndarray]]:
+    """A pyarrow column as one of the kinds of ``_KINDS`` and its arrays, from which each
+    row's value comes back as :func:`_numpy` gives it (its type too)."""
+    types = _arrow().types
+    if types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    if _TEXT.get(str(column.type)) is not None:
+        return _text(column)
+    return _kept_as(_numpy(column))
+
+
+def _text(column: Any) -> tuple[str, list[np.ndarray]]:
+    """A string or binary column as its bytes (pyarrow's, not copied), where each row ends,
+    and where the nulls are."""
+    kind, width = _TEXT[str(column.type)]
+    whole = column.chunks[0] if column.num_chunks == 1 else column.combine_chunks()
+    nulls = whole.is_null().to_numpy(zero_copy_only=False)
+    if not len(whole):
+        return kind, [np.zeros(0, np.uint8), np.zeros(0, np.int64), nulls]
+    _, offsets, data = whole.buffers()
+    ends = np.frombuffer(offsets, width, count=len(whole) + 1, offset=whole.offset * width.itemsize)
+    first, last = int(ends[0]), int(ends[-1])
+    text = np.zeros(0, np.uint8) if data is None else np.frombuffer(data, np.uint8)[first:last]
+    return kind, [text, (ends[1:] - first).astype(np.int64), nulls]
+
+
+def _kept_as(values: np.ndarray) -> tuple[str, list[np.ndarray]]:
+    """A column's numpy values (:func:`_numpy`) as one of the kinds of ``_KINDS`` and its
+    arrays, from which each row's value comes back as it was (its type too)."""
+    if values.dtype != object:
+        return "values", [np.ascontiguousarray(values)]
+    nulls = np.array([value is None for value in values], dtype=bool)
+    present = [value for value in values if value is not None]
+    kinds = {type(value) for value in present}
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    # numbers whose numpy type an array of them gives back
+    if kind is not None and issubclass(kind, np.number | np.bool_) and np.dtype(kind).type is kind:
+        numbers = np.zeros(len(values), dtype=kind)
+        numbers[~nulls] = present
+        return "nullable", [numbers, nulls]
+    if kind is np.ndarray:
+        dtypes = {(value.dtype, value.ndim) for value in present}
+        (dtype, ndim), *others = dtypes
+        if not others and ndim == 1 and not dtype.hasobject:
+            lengths = np.array([0 if value is None else len(value) for value in values])
+            items = np.concatenate(present) if present else np.zeros(0, dtype)
+            return "ragged", [items, np.cumsum(lengths, dtype=np.int64), nulls]
+    pickles = [pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) for value in values]
+    ends = np.cumsum([len(p) for p in pickles], dtype=np.int64)
+    return "pickled", [np.frombuffer(b"".join(pickles), dtype=np.uint8), ends]
+
+
+def _start(ends: np.ndarray, i: int) -> int:
+    """Where row ``i`` starts, of rows that end at ``ends``."""
+    return int(ends[i - 1]) if i else 0
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    """``values`` as a 1-d object array (arrays among them stay items, not a dimension)."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
 
 
 def _own(value: Any) -> Any:
