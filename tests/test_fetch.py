@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -87,6 +88,29 @@ def test_hedged_requests_beat_the_slow_tail(
     assert stats.hedge_wins >= 1
     assert stats.retries == 0
     assert stats.requests == len(objects) + stats.hedges
+
+
+def test_a_hedge_held_too_is_hedged_again(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    """A hedge can land on the slow replica too: a read whose first request and first hedge
+    are both held gets a second hedge a delay later (before, it waited for the held ones)."""
+    proxy.set_faults(Faults(stall=1.0, stall_seconds=8.0, methods=("GET",)))
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(hedge_after=0.2))
+    url = next(iter(objects))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(fetcher.fetch([url])))
+    reader.start()
+    for _ in range(2000):  # the read and its first hedge have reached the proxy, held
+        if proxy.counters()["requests"] >= 2:
+            break
+        time.sleep(0.005)
+    proxy.set_faults(Faults())
+    reader.join(60)
+    assert got == [objects[url]]
+    stats = fetcher.counters
+    assert (stats.hedges, stats.retries) == (2, 0), stats  # (the second hedge won, unless
+    # this thread took longer than the hedge delay to clear the fault)
 
 
 @pytest.mark.parametrize("route", ["s3-obstore", "s3-s3fs", "gs", "b2"])

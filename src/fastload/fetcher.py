@@ -355,11 +355,9 @@ class Fetcher:
     async def _hedged(self, call: Callable[[], Awaitable[_Answer]], request: Request) -> _Answer:
         """``call()``'s answer; if none came within the hedge delay (:class:`_Tail`), the
         first good answer of ``call()`` and a second ``call()`` sent then."""
-        delay = self._tail.delay(request)
-        if delay is None:
+        if self._tail.delay(request) is None:
             return await call()
-        race = _Race(call, self)
-        return await race.run(delay)
+        return await _Race(call, self, request).run()
 
     async def _attempt(self, request: Request, target: _Target) -> _Answer:
         """The body, and how long the request took (None: no request was needed)."""
@@ -385,24 +383,33 @@ class Fetcher:
 
 
 class _Race:
-    """One read and, once ``delay`` passed without an answer, its hedge: the first good answer
-    wins and the other is cancelled; both failing raise the last error. Made of one task, one
-    timer and one future (``asyncio.wait`` with a timeout cost every read about 60 us of CPU
-    here, a sixth of an obstore GET)."""
+    """One read and, each time ``delay`` passes without an answer, a hedge (while the budget
+    allows, up to ``_RACERS`` requests in all): the first good answer wins and the others are
+    cancelled; all failing raise the last error. Made of one task a request, one timer and one
+    future (``asyncio.wait`` with a timeout cost every read about 60 us of CPU here, a sixth of
+    an obstore GET).
 
-    def __init__(self, call: Callable[[], Awaitable[_Answer]], fetcher: Fetcher):
-        self.call, self.fetcher = call, fetcher
-        loop = asyncio.get_running_loop()
-        self.answer: asyncio.Future[_Answer] = loop.create_future()
+    A hedge can land on the slow replica too (2% of GETs held: one hedge in 50), and a hedge
+    with no budget left when the delay passes may have one a delay later: each is tried again
+    then. A single hedge, and none without a hedge saved up when the read was sent, left 1.5 s
+    reads to hold their batch (a cold epoch at 0.33x of one without tails)."""
+
+    def __init__(self, call: Callable[[], Awaitable[_Answer]], fetcher: Fetcher, request: Request):
+        self.call, self.fetcher, self.request = call, fetcher, request
+        self.loop = asyncio.get_running_loop()
+        self.answer: asyncio.Future[_Answer] = self.loop.create_future()
         self.running: list[asyncio.Task[_Answer]] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.started = 0.0
 
-    async def run(self, delay: float) -> _Answer:
+    async def run(self) -> _Answer:
+        self.started = self.loop.time()
         self._start()
-        self.timer = asyncio.get_running_loop().call_later(delay, self._hedge)
+        self._arm()
         try:
             return await self.answer
         finally:
+            assert self.timer is not None
             self.timer.cancel()
             for task in self.running:
                 task.cancel()
@@ -412,11 +419,34 @@ class _Race:
         task.add_done_callback(self._settle)
         self.running.append(task)
 
+    def _due(self) -> float:
+        """When the next hedge is due: a delay (as the tail says now) per request sent."""
+        return self.started + len(self.running) * self.fetcher._tail.current(self.request)
+
+    def _arm(self, wait: float | None = None) -> None:
+        """The timer for the next hedge; while the latencies are being learned, it looks
+        again every ``_RELOOK`` s (a read sent before the first answers is hedged by what
+        they say, not after the prior)."""
+        if wait is None:
+            wait = max(0.0, self._due() - self.loop.time())
+            if not self.fetcher._tail.learned:
+                wait = min(wait, _RELOOK)
+        self.timer = self.loop.call_later(wait, self._hedge)
+
     def _hedge(self) -> None:
-        if self.answer.done() or not self.fetcher._tail.spend():
+        if self.answer.done():
+            return
+        if self.loop.time() < self._due():
+            self._arm()
+            return
+        tail = self.fetcher._tail
+        if not tail.spend():  # none saved: look again a delay later
+            self._arm(tail.current(self.request))
             return
         self.fetcher.counters.hedges += 1
         self._start()
+        if len(self.running) < _RACERS:
+            self._arm()
 
     def _settle(self, task: asyncio.Task[_Answer]) -> None:
         error = asyncio.CancelledError() if task.cancelled() else task.exception()  # retrieved
@@ -437,8 +467,8 @@ class _Tail:
     conservative ``_PRIOR``: a first batch's 32 reads are sent before any answers), plus the
     read's size at ``_PRIOR_RATE`` (a row group beside footers is given its transfer time), for
     reads of at most ``_SMALL`` bytes only, while the budget lasts: each such read earns
-    ``hedge_budget`` of a hedge, up to ``_BURST`` saved (and at the start); with none saved,
-    a read is not raced at all.
+    ``hedge_budget`` of a hedge, up to ``_BURST`` saved (and at the start); with none saved
+    when a read's delay passes, it may have one a delay later (:class:`_Race`).
 
     Real stores have heavy tails (a few % of GETs far above the median; a slow replica makes
     one 10-100x it), and a batch waits for its slowest member: 2% of GETs held 1.5 s cut a
@@ -462,11 +492,19 @@ class _Tail:
         if most is None or most > _SMALL:
             return None
         self.tokens = min(_BURST, self.tokens + self.budget)
-        if self.tokens < 1:  # no hedge to send: no race to set up
-            return None
-        # until the latencies are learned, a conservative prior (a first batch's reads are
-        # all sent before any answers); a read larger than most is given its transfer time
-        return (_PRIOR if self.after is None else self.after) + most / _PRIOR_RATE
+        return self.current(request)
+
+    def current(self, request: Request) -> float:
+        """The delay before a hedge of ``request``, as the latencies say now: until they are
+        learned, a conservative prior (a first batch's reads are all sent before any
+        answers); a read larger than most is given its transfer time."""
+        if self.fixed is not None:
+            return self.fixed
+        return (_PRIOR if self.after is None else self.after) + (request.most or 0) / _PRIOR_RATE
+
+    @property
+    def learned(self) -> bool:
+        return self.fixed is not None or self.after is not None
 
     def spend(self) -> bool:
         """Whether a hedge may be sent now (a fixed ``hedge_after`` always may)."""
@@ -493,6 +531,8 @@ _WINDOW = 512  # latest small reads the hedge delay is worked out from
 _LEARN = 16  # small reads timed before the delay follows their latencies
 _EVERY = 64  # reads between two workings-out of the delay (a sort of up to 512: 18 us)
 _BURST = 8.0  # hedges that may be saved up
+_RACERS = 3  # requests a read may have sent at once: itself and two hedges
+_RELOOK = 0.02  # seconds between looks at a read's hedge while the latencies are learned
 _FLOOR = 0.002  # seconds: never hedge sooner (a local or in-memory store)
 _PRIOR = 0.25  # seconds before a read is hedged while the latencies are learned...
 _PRIOR_RATE = 8 << 20  # ...plus its size at this many bytes/s
