@@ -110,12 +110,13 @@ def tar_root(server: S3Server, shards: int, per_shard: int = PER_SHARD) -> tuple
     return root, options
 
 
-def test_workers_map_one_shared_copy_of_each_chunk(seaweed: S3Server, tmp_path: Path) -> None:
-    """Two workers read every chunk between them (a chunk's batches go to each in turn): each
-    maps the chunk's file in the scratch folder, and holds no private copy of it. Before, each
-    worker kept its own copy of every chunk it read (457 MB each in issue 54's run)."""
-    root, options = tar_root(seaweed, SHARDS)
-    dataset = RemoteDataset(Tar(root), decode=crc_of, storage_options=options)
+def two_workers_epoch(
+    dataset: RemoteDataset, tmp_path: Path
+) -> tuple[dict[int, int], dict[int, int], Path]:
+    """A shuffled epoch of ``dataset`` read by 2 workers (every sample once): each worker's
+    growth of private memory from when both had begun, the bytes each maps from the scratch
+    folder at the end (the workers live on, persistent, with the chunks they keep), and that
+    folder."""
     folder: Path = dataset.source.reader.shared.root  # type: ignore[attr-defined]
     pids = tmp_path / "workers"
     pids.mkdir()
@@ -132,12 +133,20 @@ def test_workers_map_one_shared_copy_of_each_chunk(seaweed: S3Server, tmp_path: 
     workers = sorted(int(path.name) for path in pids.iterdir())
     before = {pid: anonymous_bytes(pid) for pid in workers}
     seen += [crc for batch in batches for crc in batch]
-    # the workers live on (persistent) with the chunks they keep
     grown = {pid: anonymous_bytes(pid) - before[pid] for pid in workers}
-    mapped = {pid: mapped_bytes(pid, folder) for pid in workers}
     assert sorted(seen) == expected(SHARDS)
     assert len(workers) == 2
-    for pid in workers:
+    return grown, {pid: mapped_bytes(pid, folder) for pid in workers}, folder
+
+
+def test_workers_map_one_shared_copy_of_each_chunk(seaweed: S3Server, tmp_path: Path) -> None:
+    """Two workers read every chunk between them (a chunk's batches go to each in turn): each
+    maps the chunk's file in the scratch folder, and holds no private copy of it. Before, each
+    worker kept its own copy of every chunk it read (457 MB each in issue 54's run)."""
+    root, options = tar_root(seaweed, SHARDS)
+    dataset = RemoteDataset(Tar(root), decode=crc_of, storage_options=options)
+    grown, mapped, folder = two_workers_epoch(dataset, tmp_path)
+    for pid in grown:
         assert grown[pid] < CHUNK // 2, (
             f"worker {pid} holds {grown[pid] >> 20} MiB more private memory after reading the "
             f"other chunks ({CHUNK >> 20} MiB each): a private copy"
@@ -170,27 +179,8 @@ def test_parquet_workers_map_one_decoded_copy_of_each_row_group(
     the objects reader's memory at 2 workers, 2.01x at 4 (issue 54)."""
     root, options = parquet_root(seaweed, SHARDS)
     dataset = RemoteDataset(Parquet(root), decode=crc_of_row, storage_options=options)
-    folder: Path = dataset.source.reader.shared.root  # type: ignore[attr-defined]
-    pids = tmp_path / "workers"
-    pids.mkdir()
-    loader = fastload.DataLoader(
-        dataset,
-        batch_size=8,
-        shuffle=True,
-        num_workers=2,
-        worker_init_fn=partial(record_worker, str(pids)),
-        collate_fn=list,
-    )
-    batches = iter(loader)
-    seen = [*next(batches), *next(batches)]  # one batch from each worker: both have begun
-    workers = sorted(int(path.name) for path in pids.iterdir())
-    before = {pid: anonymous_bytes(pid) for pid in workers}
-    seen += [crc for batch in batches for crc in batch]
-    grown = {pid: anonymous_bytes(pid) - before[pid] for pid in workers}
-    mapped = {pid: mapped_bytes(pid, folder) for pid in workers}
-    assert sorted(seen) == expected(SHARDS)
-    assert len(workers) == 2
-    for pid in workers:  # a copy of each would be 3 row groups more: 48 MiB (the decoding
+    grown, mapped, folder = two_workers_epoch(dataset, tmp_path)
+    for pid in grown:  # a copy of each would be 3 row groups more: 48 MiB (the decoding
         # worker's allocators keep some of what decoding freed: less than a row group)
         assert grown[pid] < CHUNK, (
             f"worker {pid} holds {grown[pid] >> 20} MiB more private memory after reading the "
