@@ -70,7 +70,8 @@ def test_tiny_rows_bypass_the_cache_and_the_report_says_so(
 ) -> None:
     """Rows that cost a few µs to slice from their row group are served past the cache once the
     first batches were judged: identical samples, most never stored, a warning with the
-    figures, and the counters and the report (this epoch's and a later one's) say it."""
+    figures, and the counters and the report (this epoch's and a later one's) say it; the
+    row groups are kept as without a cache, so a later epoch reads none again."""
     root, options = events
     plain = RemoteDataset(Parquet(root), storage_options=options)
     expected = _epoch(_loader(plain))
@@ -94,8 +95,11 @@ def test_tiny_rows_bypass_the_cache_and_the_report_says_so(
     assert f"{costs.make_us:.1f} µs a sample" in loader.report().verdict
 
     loader.set_epoch(1)
+    requests = dataset.fetcher.counters.requests
     again = _epoch(loader)
     assert sorted(again) == sorted(expected)
+    # its row groups kept as without a cache (before, let go once served: read every epoch)
+    assert dataset.fetcher.counters.requests == requests
     later = loader.counters
     assert later is not None and later.cache.writes == stored  # nothing more stored
     verdict = loader.report().verdict  # this pass: its counters hold no judgement...

@@ -570,6 +570,7 @@ class RemoteDataset(_Batched):
             self._length,
             self.counters.cache,
             judge=judge,
+            bypassing=self.source.uncached,
         )
 
     @property

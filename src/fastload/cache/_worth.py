@@ -87,7 +87,8 @@ class Worth:
     judged); ``length``: the samples there are; ``counters``: the cache's counters of this
     dataset, where a bypass is counted.
     ``judge=False``: never judge (the cache is forced, read only, or there is no cache);
-    ``root`` names the dataset in the log.
+    ``root`` names the dataset in the log; ``bypassing`` is called when the cache is bypassed
+    (the source then keeps its chunks as without a cache).
     """
 
     def __init__(
@@ -98,8 +99,9 @@ class Worth:
         counters: CacheStats,
         *,
         judge: bool,
+        bypassing: Callable[[], None],
     ) -> None:
-        self._root, self._blocks = root, blocks
+        self._root, self._blocks, self._bypassing = root, blocks, bypassing
         self._sizes = None if blocks is None else np.diff(blocks, append=length)
         self._counters = counters
         self.bypassed = False
@@ -210,6 +212,7 @@ class Worth:
             log.debug("the cache pays for itself: %s", costs)
             return
         self.bypassed = True
+        self._bypassing()
         counters = self._counters
         counters.bypass_judged += 1
         counters.bypass_make_us += costs.make_us

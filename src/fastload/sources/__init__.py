@@ -119,6 +119,11 @@ class SampleSource(Protocol):
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         """The bytes the samples at ``indices`` read from the store (all their parts)."""
 
+    def uncached(self) -> None:
+        """The samples it serves are no longer cached (the dataset bypasses its cache): keep
+        what it reads as without a cache (a chunk whose samples were all served is not let
+        go). Nothing where nothing is let go."""
+
 
 def parts_bytes(source: SampleSource, indices: Sequence[int] | np.ndarray) -> int:
     """:meth:`SampleSource.nbytes` from each sample's parts."""

@@ -112,6 +112,11 @@ class ChunkReader:
         self.shared = Scratch(memory_bytes, samples, drop_served=drop_served)
         self._setup()
 
+    def keep_served(self) -> None:
+        """The samples served are no longer cached: keep a chunk whose samples were all served,
+        as without a cache (in this process)."""
+        self._drop_served = self.shared.drop_served = False
+
     def _setup(self) -> None:
         self._lock = threading.Lock()
         # each chunk loaded, its weight, and the generation of the scratch file it maps (-1:

@@ -119,6 +119,9 @@ class Shards:
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         return parts_bytes(self, indices)
 
+    def uncached(self) -> None:
+        self.reader.keep_served()
+
     # -- what a format says ----------------------------------------------------------------
     def _index(self, shard: Entry, fetcher: Fetcher) -> dict[str, np.ndarray]:
         raise NotImplementedError

@@ -149,6 +149,9 @@ class GroupedObjects:
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         return parts_bytes(self, indices)
 
+    def uncached(self) -> None:
+        pass  # nothing it reads is let go for the cache
+
     def _join_labels(self, labels: Labels, incomplete: Incomplete) -> None:
         table = label_table(labels, self.names, _folder)
         prefix = self.root + "/"

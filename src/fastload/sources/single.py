@@ -60,3 +60,6 @@ class SingleObjects:
 
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         return int(self.manifest.sizes[np.asarray(indices, dtype=np.int64)].sum())
+
+    def uncached(self) -> None:
+        pass  # nothing it reads is let go for the cache

@@ -497,6 +497,9 @@ class ZarrArray:
     def nbytes(self, indices: Sequence[int] | np.ndarray) -> int:
         return parts_bytes(self, indices)
 
+    def uncached(self) -> None:
+        pass  # nothing it reads is let go for the cache
+
     def read(self, samples: Sequence[Sample], fetcher: Fetcher) -> list[Any]:
         """Each sample's region put together from its decoded chunks (the fill value where a
         chunk is not listed); the chunks of the whole batch are read at once, each once."""
