@@ -5,8 +5,17 @@ fake-gcs-server for GCS, our B2 server) behind the proxy adding 20 ms per reques
 runs in its own process (``python -m benchmarks.peers '<spec>'``), so no reader inherits another's
 imports, clients or caches: it imports its library (untimed, as fastload's own import is),
 builds its dataset, reads a cold epoch (timing the first batch from construction) and a warm
-epoch, and prints its rates. The parent samples the PSS of that
-process tree every 50 ms for the peak. Readers run interleaved, ``repeats`` times; medians.
+epoch, and prints its rates and the CPU time its process tree (the reader and its DataLoader
+workers, user + system) spent on each epoch, construction counted in the cold one. The parent
+samples the PSS of that process tree every 50 ms for the peak. Readers run interleaved,
+``repeats`` times; medians.
+
+While readers run, the store and the proxy are pinned to half the cores and each reader to the
+rest (``split_cores``: core 0 and core 1 on a 2-core machine), so a reader's CPU per sample is
+its own, not the loopback store's: the store and proxy cost about 1 ms of CPU a request, which
+caps a one-GET-per-sample reader near 1,000 samples/s on one core while a chunk reader is not
+capped. Where affinity cannot be set (no ``os.sched_setaffinity``, one core) nothing is pinned
+and every row says so.
 
 Readers (batch 32, shuffled). Every peer runs at each DataLoader worker count in
 ``PEER_WORKERS`` and at its own best documented settings, with persistent workers (torch's
@@ -15,7 +24,9 @@ workers again, and each worker its store client); fastload runs at its defaults:
 - torch DataLoader + RandomSampler over the store's fsspec filesystem (s3fs, gcsfs, b2);
 - the same over fsspec's whole-file cache (``filecache``): warm epochs read local copies;
 - AWS s3torchconnector ``S3MapDataset`` (S3 only);
-- LitData ``StreamingDataset`` over ``LITDATA_CHUNK`` chunks on the store (S3 only);
+- LitData ``StreamingDataset`` over ``LITDATA_CHUNK`` chunks on the store (S3 only), twice:
+  chunks of the objects' ``.npy`` bytes (decoded by its ``transform``) and, its documented way
+  for arrays, chunks of the arrays themselves (``optimize`` serialises them);
 - Mosaic streaming ``StreamingDataset`` over MDS shards on the store (S3 only), with the
   ``worker_init_fn`` that drops the boto3 client a forked worker inherits (its known fork issue);
 - WebDataset over ``TAR_SHARDS`` tar shards on the store, with its shard cache (S3 only);
@@ -79,6 +90,7 @@ SCHEMES = {"s3": "s3", "gcs": "gs", "b2": "b2"}
 S3_ONLY = (
     "s3torchconnector",
     "litdata",
+    "litdata-arrays",
     "mosaic",
     "webdataset",
     "fastload-tar",
@@ -173,7 +185,14 @@ def _s3torchconnector(spec: Spec) -> Iterable[Any]:
     )
 
 
-def _litdata(spec: Spec) -> Iterable[Any]:
+def _npy_array(body: bytes) -> np.ndarray:
+    array: np.ndarray = np.load(io.BytesIO(body))
+    return array
+
+
+def _litdata(spec: Spec, *, arrays: bool) -> Iterable[Any]:
+    """LitData over chunks of the arrays (``arrays``) or of the objects' ``.npy`` bytes, which
+    its ``transform`` decodes as the other readers decode an object."""
     import litdata  # noqa: PLC0415 (only in its own reader process)
     from litdata.streaming import downloader  # noqa: PLC0415
 
@@ -181,10 +200,11 @@ def _litdata(spec: Spec) -> Iterable[Any]:
     # no option for it, so the benchmark adds allow_http to the client options it passes.
     downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[typeddict-unknown-key]
     dataset = litdata.StreamingDataset(
-        f"{spec.root}-litdata",
+        f"{spec.root}-{_litdata_suffix(arrays=arrays)}",
         cache_dir=f"{spec.workdir}/litdata",
         shuffle=True,
         storage_options={"endpoint_url": spec.options["endpoint_url"]},
+        transform=None if arrays else _npy_array,
     )
     return litdata.StreamingDataLoader(
         dataset, batch_size=BATCH, num_workers=spec.workers, persistent_workers=spec.workers > 0
@@ -298,7 +318,14 @@ READERS: dict[str, tuple[str, Callable[[Spec], Iterable[Any]]]] = {
     "torch": ("torch DataLoader + RandomSampler + fsspec", partial(_torch_fsspec, cached=False)),
     "filecache": ("the same over fsspec filecache", partial(_torch_fsspec, cached=True)),
     "s3torchconnector": ("s3torchconnector S3MapDataset", _s3torchconnector),
-    "litdata": (f"LitData StreamingDataset ({LITDATA_CHUNK} chunks on the store)", _litdata),
+    "litdata": (
+        f"LitData StreamingDataset storing .npy bytes ({LITDATA_CHUNK} chunks on the store)",
+        partial(_litdata, arrays=False),
+    ),
+    "litdata-arrays": (
+        f"LitData StreamingDataset storing the arrays ({LITDATA_CHUNK} chunks on the store)",
+        partial(_litdata, arrays=True),
+    ),
     "mosaic": ("Mosaic streaming StreamingDataset (MDS on the store)", _mosaic),
     "webdataset": (f"WebDataset ({TAR_SHARDS} tar shards, shard cache)", _webdataset),
     "fastload": ("fastload RemoteDataset + npy cache, fastload.DataLoader defaults", _fastload),
@@ -322,6 +349,7 @@ PER_OBJECT = ("torch", "filecache", "s3torchconnector")
 PEER_IMPORTS: dict[str, tuple[str, ...]] = {
     "s3torchconnector": ("s3torchconnector",),
     "litdata": ("litdata", "litdata.streaming.downloader"),
+    "litdata-arrays": ("litdata", "litdata.streaming.downloader"),
     "webdataset": ("webdataset",),
 }
 
@@ -334,16 +362,44 @@ def import_reader(reader: str) -> None:
         importlib.import_module(module)
 
 
+def _descendants(pid: int) -> Iterator[int]:
+    """The live children of process ``pid`` (each thread's), their children, ... (Linux)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # the thread ended
+            for child in (task / "children").read_text().split():
+                yield int(child)
+                yield from _descendants(int(child))
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime + cutime + cstime of ``pid``: its own CPU and its reaped children's."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(field) for field in fields[11:15])
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and every descendant, live or ended: a
+    DataLoader worker that ended is in the cutime of the parent that reaped it (the reader, or
+    a forkserver that is itself a live descendant). Linux; /proc's 10 ms ticks."""
+    ticks = 0
+    for process in (pid, *_descendants(pid)):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it just ended
+            ticks += _cpu_ticks(process)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _epochs(spec: Spec) -> dict[str, Any]:
     """In the child: construct, then read ``spec.epochs`` epochs (the first batch of the first,
     cold, one timed from construction, after the reader's imports); samples/s per epoch, and of
     the cold epoch after its first batch (what is left once workers, listing and indexing are
-    done)."""
+    done); the process tree's CPU microseconds per sample of each epoch, construction in the
+    first."""
     import_reader(spec.reader)
+    cpu = tree_cpu_seconds(os.getpid())
     started = time.perf_counter()
     loader = READERS[spec.reader][1](spec)
     first = 0.0
-    rates = []
+    rates, cpu_us = [], []
     after_first = 0.0
     for epoch in range(spec.epochs):
         count = 0
@@ -355,28 +411,96 @@ def _epochs(spec: Spec) -> dict[str, Any]:
         assert count == spec.n, f"{spec.reader}: epoch {epoch} gave {count} of {spec.n} samples"
         ended = time.perf_counter()
         rates.append(spec.n / (ended - started))
+        cpu, spent = tree_cpu_seconds(os.getpid()), cpu
+        cpu_us.append((cpu - spent) / spec.n * 1e6)
         if epoch == 0:  # nothing after a first batch that was the whole epoch
             after = spec.n - first_size
             after_first = after / (ended - started - first) if after else float("nan")
         started = time.perf_counter()
-    return {"epochs": rates, "first": first, "after first": after_first}
+    return {"epochs": rates, "first": first, "after first": after_first, "cpu us": cpu_us}
 
 
 # --- the parent ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where the store and proxy run and where each reader runs while readers are timed
+    (empty: not pinned), and a note saying so for the rows."""
+
+    store: frozenset[int]
+    readers: frozenset[int]
+    note: str
+
+
+def split_cores() -> Cores:
+    """The store and proxy on the first half of this process's cores, the readers on the rest
+    (core 0 and core 1 on 2 cores); nothing pinned where affinity cannot be set."""
+    if not hasattr(os, "sched_setaffinity"):
+        return Cores(frozenset(), frozenset(), "not pinned: no os.sched_setaffinity here")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return Cores(frozenset(), frozenset(), "not pinned: one core")
+    store, readers = cores[: len(cores) // 2], cores[len(cores) // 2 :]
+    note = f"store + proxy on {_named(store)}, each reader on {_named(readers)}"
+    return Cores(frozenset(store), frozenset(readers), note)
+
+
+def _named(cores: list[int]) -> str:
+    """``core 1`` or ``cores 8-15`` (``cores`` sorted and consecutive, as ``split_cores``'s)."""
+    return f"core {cores[0]}" if len(cores) == 1 else f"cores {cores[0]}-{cores[-1]}"
+
+
+def _pin_threads(pid: int, cores: frozenset[int] | set[int]) -> None:
+    """Every thread of process ``pid`` on ``cores`` (threads it starts later inherit them)."""
+    with contextlib.suppress(FileNotFoundError):  # the process ended
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):  # the thread ended
+                os.sched_setaffinity(int(task.name), cores)
+
+
+@contextlib.contextmanager
+def servers_pinned(cores: Cores, servers: Iterable[int | None]) -> Iterator[None]:
+    """The process trees ``servers`` (the store and the proxy: their PIDs, None for one not
+    running) and this process's threads (the PSS sampling) on ``cores.store`` while the block
+    runs; this process's cores restored after (the servers stop after it)."""
+    if not cores.store:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    for pid in filter(None, servers):
+        for process in (pid, *_descendants(pid)):
+            _pin_threads(process, cores.store)
+    _pin_threads(os.getpid(), cores.store)
+    try:
+        yield
+    finally:
+        _pin_threads(os.getpid(), own)
 
 
 class ReaderFailed(RuntimeError):
     """A reader process exited non-zero; the message ends with its last stderr line."""
 
 
-def run_reader(spec: Spec) -> dict[str, Any]:
-    """One reader in a fresh process; its rates and the peak PSS of its process tree."""
+def _reader_command(cores: frozenset[int]) -> list[str]:
+    """``python -m benchmarks.peers``, on ``cores`` from its first instruction where given:
+    every thread and worker the reader starts inherits them."""
+    if not cores:
+        return [sys.executable, "-m", "benchmarks.peers"]
+    pin = f"import os, runpy; os.sched_setaffinity(0, {sorted(cores)})"
+    run = "runpy.run_module('benchmarks.peers', run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", f"{pin}; {run}"]
+
+
+def run_reader(spec: Spec, cores: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """One reader in a fresh process on ``cores`` (empty: where the OS puts it); its rates, CPU
+    and the peak PSS of its process tree."""
     path = os.pathsep.join([str(REPO / "src"), str(REPO)])  # this checkout's fastload
     env = {**os.environ, **spec.credentials, "PYTHONPATH": path}
     out, err = Path(spec.workdir) / "reader.out", Path(spec.workdir) / "reader.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         child = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.peers", json.dumps(asdict(spec))],
+            [*_reader_command(cores), json.dumps(asdict(spec))],
             env=env,
             cwd=REPO,
             stdout=stdout,
@@ -440,19 +564,25 @@ def _upload(objects: _Objects, local: Path, remote: str) -> None:
     objects.fs.put(str(local), remote, recursive=True)
 
 
-def _convert_litdata(objects: _Objects, root: str, n: int, work: Path) -> None:
-    """``litdata.optimize`` into ``LITDATA_CHUNK`` chunks with a worker per core, uploaded."""
+def _litdata_suffix(*, arrays: bool) -> str:
+    return "litdata-arrays" if arrays else "litdata"
+
+
+def _convert_litdata(objects: _Objects, root: str, n: int, work: Path, *, arrays: bool) -> None:
+    """``litdata.optimize`` into ``LITDATA_CHUNK`` chunks of the arrays (``arrays``: LitData
+    serialises them) or of the objects' bytes, with a worker per core, uploaded."""
     import litdata  # noqa: PLC0415 (only where LitData runs)
 
-    arrays = list(objects.all(n, objects.array))
+    items = list(objects.all(n, objects.array if arrays else objects.body))
+    out = work / f"{_litdata_suffix(arrays=arrays)}-out"
     litdata.optimize(
-        fn=arrays.__getitem__,
+        fn=items.__getitem__,
         inputs=list(range(n)),
-        output_dir=str(work / "litdata-out"),
+        output_dir=str(out),
         chunk_bytes=LITDATA_CHUNK,
         num_workers=os.cpu_count() or 1,
     )
-    _upload(objects, work / "litdata-out", f"{root}-litdata")
+    _upload(objects, out, f"{root}-{_litdata_suffix(arrays=arrays)}")
 
 
 def _convert_mosaic(objects: _Objects, root: str, n: int, work: Path) -> None:
@@ -489,7 +619,8 @@ def _pack_tar(objects: _Objects, root: str, n: int, work: Path) -> None:
 
 
 CONVERSIONS: dict[str, Callable[[_Objects, str, int, Path], None]] = {
-    "litdata": _convert_litdata,
+    "litdata": partial(_convert_litdata, arrays=False),
+    "litdata-arrays": partial(_convert_litdata, arrays=True),
     "mosaic": _convert_mosaic,
     "webdataset": _pack_tar,  # fastload-tar reads the same shards: a user's own data
 }
@@ -549,25 +680,31 @@ def store_rows(
                 started = time.perf_counter()
                 convert(objects, root, n, work)
                 setup[reader] = time.perf_counter() - started
-        for repeat in range(repeats):  # interleaved, so noise hits every reader alike
-            for reader, count in runs:
-                progress(f"peers/{store}: {reader}, workers {count} ({repeat + 1}/{repeats})")
-                run = work / f"{reader}-{count}-{repeat}"
-                run.mkdir()
-                spec = Spec(
-                    reader, store, root, options, str(work / "manifest.npz"), str(run), n,
-                    _credentials(server, proxy.endpoint), workers=count or 0,
-                    epochs=2 if reader in PER_OBJECT else Spec.epochs,  # nothing kept to reuse
-                )  # fmt: skip
-                try:
-                    results[reader, count].append(run_reader(spec))
-                except ReaderFailed as exc:
-                    if reader in OURS:
-                        raise
-                    progress(f"peers/{store}: {exc}")  # a peer's own bug: the others go on
-                shutil.rmtree(run)
+        cores = split_cores()
+        progress(f"peers/{store}: {cores.note}")
+        with servers_pinned(cores, (server.pid, proxy.pid)):
+            for repeat in range(repeats):  # interleaved, so noise hits every reader alike
+                for reader, count in runs:
+                    progress(f"peers/{store}: {reader}, workers {count} ({repeat + 1}/{repeats})")
+                    run = work / f"{reader}-{count}-{repeat}"
+                    run.mkdir()
+                    spec = Spec(
+                        reader, store, root, options, str(work / "manifest.npz"), str(run), n,
+                        _credentials(server, proxy.endpoint), workers=count or 0,
+                        epochs=2 if reader in PER_OBJECT else Spec.epochs,  # nothing kept
+                    )  # fmt: skip
+                    try:
+                        results[reader, count].append(run_reader(spec, cores.readers))
+                    except ReaderFailed as exc:
+                        if reader in OURS:
+                            raise
+                        progress(f"peers/{store}: {exc}")  # a peer's own bug: the others go on
+                    shutil.rmtree(run)
     return [
-        _row(store, reader, count, found, setup.get(reader), repeats - len(found))
+        {
+            **_row(store, reader, count, found, setup.get(reader), repeats - len(found)),
+            "cores": cores.note,
+        }
         for (reader, count), found in results.items()
     ]
 
@@ -591,16 +728,23 @@ def _row(
     return {**row, **summary(runs), "setup s": setup_s, "failed runs": failed}
 
 
+def _later(runs: list[dict[str, Any]], key: str) -> list[float]:
+    """Each run's ``key`` figures of its epochs after the second (the second's where none)."""
+    return [x for run in runs for x in run[key][2:]] or [run[key][1] for run in runs]
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over repeats: cold (first epoch), warm (the second: a process's first warm
-    epoch) and later warm (the rest; the second's where there is none) rates, first batch,
-    PSS."""
-    later = [r for run in runs for r in run["epochs"][2:]] or [run["epochs"][1] for run in runs]
+    epoch) and later warm (the rest; the second's where there is none) rates and the reader's
+    CPU per sample in each (construction counted in the cold one), first batch, PSS."""
     return {
         "cold samples/s": statistics.median(run["epochs"][0] for run in runs),
         "cold after first batch samples/s": statistics.median(run["after first"] for run in runs),
         "warm samples/s": statistics.median(run["epochs"][1] for run in runs),
-        "later warm samples/s": statistics.median(later),
+        "later warm samples/s": statistics.median(_later(runs, "epochs")),
+        "cold CPU us/sample": statistics.median(run["cpu us"][0] for run in runs),
+        "warm CPU us/sample": statistics.median(run["cpu us"][1] for run in runs),
+        "later warm CPU us/sample": statistics.median(_later(runs, "cpu us")),
         "first batch s": statistics.median(run["first"] for run in runs),
         "peak PSS MiB": statistics.median(run["pss"] for run in runs),
     }
@@ -616,19 +760,29 @@ def with_ratios(rows: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
 
 def with_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each fastload row's cold and warm rates against the best peer of its store, each peer
-    at its best worker count (named), appended to the rows."""
+    at its best worker count (named), and its CPU per sample against the least a peer spent
+    (above 1: fastload spent more), appended to the rows."""
     ours = {READERS[r][0] for r in OURS + SWEEPS}
     for row in rows:
         if row["reader"] not in ours or row["workers"] != "defaults" or "cold samples/s" not in row:
             continue
         peers = [p for p in rows if p["store"] == row["store"] and p["reader"] not in ours]
         for kind in ("cold", "warm", "later warm"):
-            column = f"{kind} samples/s"
-            best = max((p for p in peers if column in p), key=lambda p: p[column], default=None)
-            if best is not None:
-                row[f"{kind} vs best peer"] = row[column] / best[column]
-                row[f"best {kind} peer"] = f"{best['reader'].split(' (')[0]}, {best['workers']} w"
+            rate, cpu = f"{kind} samples/s", f"{kind} CPU us/sample"
+            _against(row, peers, rate, (f"{kind} vs best peer", f"best {kind} peer"), max)
+            _against(row, peers, cpu, (f"{kind} CPU vs least peer", f"least {kind} CPU peer"), min)
     return rows
+
+
+def _against(
+    row: dict[str, Any], peers: list[dict[str, Any]], column: str, keys: tuple[str, str], pick: Any
+) -> None:
+    """``row[column]`` over that of the peer ``pick`` (max or min) chooses, and that peer, as
+    ``keys`` (the ratio's, the peer's); none where that peer's is 0 (CPU under a 10 ms tick)."""
+    best = pick((p for p in peers if column in p), key=lambda p: p[column], default=None)
+    if best is not None and best[column]:
+        row[keys[0]] = row[column] / best[column]
+        row[keys[1]] = f"{best['reader'].split(' (')[0]}, {best['workers']} w"
 
 
 def peer_rows(
@@ -646,8 +800,8 @@ def peer_rows(
 
 
 def run_peers(quick: bool, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    if quick:  # S3, no conversions: the smoke tests run every reader on every store
-        readers = ("torch", "s3torchconnector", "fastload", "fastload-workers")
+    if quick:  # S3; the smoke tests run every reader on every store
+        readers = ("torch", "s3torchconnector", "litdata", "litdata-arrays", *OURS, *SWEEPS)
         return peer_rows(32, {"s3": 1}, progress, readers, (2,))
     return peer_rows(2000, {"s3": 3, "gcs": 1, "b2": 1}, progress)
 

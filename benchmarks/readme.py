@@ -25,6 +25,11 @@ COLUMNS = (
     ("first batch s", "first batch", "{:.1f} s"),
     ("peak PSS MiB", "peak PSS", "{:,.0f} MiB"),
 )
+CPU_COLUMNS = (
+    ("cold CPU us/sample", "client CPU, construction + cold epoch", "{:,.0f} µs"),
+    ("later warm CPU us/sample", "client CPU, later warm epochs", "{:,.0f} µs"),
+)
+"""Shown where the results have them (the peers scenario measures them since 2026-11-28)."""
 HIGHER_IS_BETTER = {"cold samples/s", "warm samples/s", "later warm samples/s"}
 FASTLOAD = "fastload"
 SHORT = {
@@ -63,41 +68,59 @@ def _readers(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def _columns(rows: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """The table's figures: ``COLUMNS``, and ``CPU_COLUMNS`` where the rows measured them."""
+    measured = any(key in row for row in rows for key, _, _ in CPU_COLUMNS)
+    return COLUMNS + CPU_COLUMNS if measured else COLUMNS
+
+
+def _pinning(rows: list[dict[str, Any]]) -> str:
+    """Where the store and the readers ran (the rows' ``cores`` note), for the heading."""
+    notes = sorted({str(row["cores"]) for row in rows if "cores" in row})
+    return "".join(f"; {note}" for note in notes)
+
+
 def render(record: dict[str, Any]) -> str:
     readers = _readers(record["rows"])
+    columns = _columns(record["rows"])
     lines = [
         f"{START}",
         f"`make bench`'s peers scenario, {record['date'][:10]} "
         f"(commit {record.get('commit', '?')}, a shared 2-vCPU VM, loopback SeaweedFS behind "
         "a proxy adding 20 ms per request, "
         "2,000 x 150 KB samples, batch 32; every peer at 0, 2 and 4 workers, shown at its "
-        "best; fastload at its defaults; medians of the repeats). Method and every row: "
-        "[docs/benchmarks.md](docs/benchmarks.md).",
+        f"best; fastload at its defaults; medians of the repeats{_pinning(record['rows'])}). "
+        "Method and every row: [docs/benchmarks.md](docs/benchmarks.md).",
         "",
-        "| reader | workers | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-        "| --- | --- |" + " --- |" * len(COLUMNS),
+        "| reader | workers | " + " | ".join(title for _, title, _ in columns) + " |",
+        "| --- | --- |" + " --- |" * len(columns),
     ]
     for name, row in sorted(readers.items(), key=lambda item: item[0].startswith(FASTLOAD)):
         cells = [
             fmt.format(v) if (v := _number(row.get(key))) is not None else ""
-            for key, _, fmt in COLUMNS
+            for key, _, fmt in columns
         ]
         label = f"**{name}**" if name.startswith(FASTLOAD) else name
         lines.append(f"| {label} | {row.get('workers')} | " + " | ".join(cells) + " |")
     every_peer = [r for r in record["rows"] if not str(r["reader"]).startswith(FASTLOAD)]
-    lines += ["", *_claims(readers, every_peer), END]
+    lines += ["", *_claims(readers, every_peer, columns), END]
     return "\n".join(lines)
 
 
-def _claims(readers: dict[str, dict[str, Any]], peers: list[dict[str, Any]]) -> list[str]:
+def _claims(
+    readers: dict[str, dict[str, Any]],
+    peers: list[dict[str, Any]],
+    columns: tuple[tuple[str, str, str], ...],
+) -> list[str]:
     """A line per fastload row: for each figure, its ratio to the best peer's at any worker
-    count (above 1 is better for fastload), the figures where it is behind first."""
+    count (above 1 is better for fastload: for CPU and memory, the peer's least over
+    fastload's), the figures where it is behind first."""
     out = []
     for name, row in readers.items():
         if not name.startswith(FASTLOAD):
             continue
         ratios = []
-        for key, title, _ in COLUMNS:
+        for key, title, _ in columns:
             ours = _number(row.get(key))
             theirs = [
                 (v, f"{r['reader']}, {r['workers']} workers")

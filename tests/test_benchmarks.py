@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,20 +163,47 @@ def test_the_gpu_rehearsal_refuses_what_the_gpu_image_lacks() -> None:
 def test_peer_benchmark_runs_every_reader_on_every_store() -> None:
     rows = peers.peer_rows(32, {"s3": 1, "gcs": 1, "b2": 1}, lambda _: None, workers=(2,))
     per_store = {store: [r for r in rows if r["store"] == store] for store in ("s3", "gcs", "b2")}
-    assert [len(per_store[s]) for s in ("s3", "gcs", "b2")] == [9, 3, 3]
+    assert [len(per_store[s]) for s in ("s3", "gcs", "b2")] == [10, 3, 3]
     for row in rows:  # each reader process read every sample in both epochs (it asserts so)
         assert row["failed runs"] == 0, row
         assert row["cold samples/s"] > 0 and row["warm samples/s"] > 0
+        assert row["cold CPU us/sample"] > 0 and row["warm CPU us/sample"] >= 0, row
+        assert row["cores"] == peers.split_cores().note
         after = row["cold after first batch samples/s"]  # NaN: the first batch was all 32
         assert math.isnan(after) or after > 0
         assert row["peak PSS MiB"] > 50  # a python + torch process tree was sampled
     readers = [r["reader"].split()[0] for r in per_store["s3"]]
-    assert readers[3:] == ["LitData", "Mosaic", "WebDataset"] + ["fastload"] * 3
-    assert [r["workers"] for r in per_store["s3"]] == [2] * 6 + ["defaults", 2, "defaults"]
+    assert readers[3:] == ["LitData"] * 2 + ["Mosaic", "WebDataset"] + ["fastload"] * 3
+    assert [r["workers"] for r in per_store["s3"]] == [2] * 7 + ["defaults", 2, "defaults"]
     sweep = per_store["s3"][-2]  # fastload at a chosen worker count: not compared as a peer
     assert "vs best peer" not in " ".join(sweep) and sweep["warm samples/s"] > 0
     ours = per_store["s3"][-1]  # the tar shards, against the best peer
     assert ours["cold vs best peer"] > 0 and ours["best warm peer"].endswith(", 2 w")
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+"""A python that spends 0.3 s of CPU."""
+
+
+def test_a_peer_readers_cpu_counts_its_workers_running_and_ended() -> None:
+    """A reader's CPU is its process tree's: a child that ended (a worker the reader reaped),
+    one still running, and a grandchild that ended under it (a forkserver's worker) all count."""
+    before = peers.tree_cpu_seconds(os.getpid())
+    subprocess.run([sys.executable, "-c", BURN], check=True, timeout=60)
+    grandchild = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN!r}])\n"
+    wait = "print('burnt', flush=True); sys.stdin.read()"
+    running = subprocess.Popen(
+        [sys.executable, "-c", BURN + grandchild + wait],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert running.stdout is not None and running.stdout.readline() == "burnt\n"
+        spent = peers.tree_cpu_seconds(os.getpid()) - before
+    finally:
+        running.communicate("", timeout=60)
+    assert spent >= 0.85, spent  # three burns of 0.3 s (/proc counts 10 ms ticks)
 
 
 def test_volume_benchmark_compares_the_caches_with_the_baseline() -> None:
