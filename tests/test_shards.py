@@ -1187,7 +1187,11 @@ def test_an_order_that_reads_a_chunk_per_sample_is_named_once(
     aware = made()
     assert aware.blocks is not None and len(aware.blocks) >= 12
     with caplog.at_level(logging.WARNING, logger="fastload"):
-        loader = fastload.DataLoader(aware, batch_size=8, shuffle=True, collate_fn=list)
+        # lookahead=0: with 2 chunks of 8 samples kept, the lookahead's 5 batches in flight
+        # span more chunks than memory holds (the defaults keep 8 chunks of 64 MB)
+        loader = fastload.DataLoader(
+            aware, batch_size=8, shuffle=True, collate_fn=list, lookahead=0
+        )
         for _ in range(2):  # the second epoch reads every chunk again, each once: no warning
             seen = sorted(item["meta.json"]["n"] for batch in loader for item in batch)
             assert seen == list(range(len(aware)))
