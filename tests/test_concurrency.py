@@ -68,9 +68,9 @@ def fetch_all(fetcher: Fetcher, urls: list[str], per_call: int) -> list[bytes]:
 def test_throttling_answers_cut_the_limit_and_every_read_still_succeeds(
     store: str, request: pytest.FixtureRequest
 ) -> None:
-    """A store that answers 503 (its SlowDown) above 6 requests at once: the limit falls
-    below where it started, each throttling answer is counted, and every read returns its
-    own bytes (through obstore, s3fs, gcsfs and B2's client: each reports a 503 its way)."""
+    """A store that answers 503 (its SlowDown) above 6 requests at once: the limit is cut,
+    each throttling answer is counted, and every read returns its own bytes (through obstore,
+    s3fs, gcsfs and B2's client: each reports a 503 its way)."""
     fixture, scheme = SERVERS[store]
     server = request.getfixturevalue(fixture)
     flavor = "s3" if scheme == "s3" else store
@@ -89,7 +89,9 @@ def test_throttling_answers_cut_the_limit_and_every_read_still_succeeds(
     stats = fetcher.counters
     assert throttled > 0 and stats.failures == 0
     assert stats.throttled >= 1 and stats.limit_cuts >= 1
-    assert stats.limit < START and stats.limit_peak == START
+    # (not that the limit ends below its start: after a cut it climbs again where throughput
+    # follows, as through s3fs, a client too slow to reach the cap often: 2 throttling answers
+    # of 99, one cut to 11, then 22 in a fresh-clone run)
 
 
 def test_on_a_bandwidth_capped_store_the_limit_stays_far_below_its_ceiling(
