@@ -355,7 +355,7 @@ class Fetcher:
     async def _hedged(self, call: Callable[[], Awaitable[_Answer]], request: Request) -> _Answer:
         """``call()``'s answer; if none came within the hedge delay (:class:`_Tail`), the
         first good answer of ``call()`` and a second ``call()`` sent then."""
-        if self._tail.delay(request) is None:
+        if not self._tail.races(request):
             return await call()
         return await _Race(call, self, request).run()
 
@@ -483,16 +483,16 @@ class _Tail:
         self.tokens = _BURST
         self.since = 0  # reads timed since ``after`` was worked out
 
-    def delay(self, request: Request) -> float | None:
+    def races(self, request: Request) -> bool:
+        """Whether ``request`` is raced (hedged once its delay passes); each raced read earns
+        ``hedge_budget`` of a hedge."""
         if self.fixed is not None:
-            return self.fixed
-        if not self.budget:
-            return None
+            return True
         most = request.most
-        if most is None or most > _SMALL:
-            return None
+        if not self.budget or most is None or most > _SMALL:
+            return False
         self.tokens = min(_BURST, self.tokens + self.budget)
-        return self.current(request)
+        return True
 
     def current(self, request: Request) -> float:
         """The delay before a hedge of ``request``, as the latencies say now: until they are
