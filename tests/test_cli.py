@@ -424,7 +424,9 @@ def test_bench_diagnose_flips_with_the_step(
     s3_objects: tuple[str, dict[str, Any]], slow_proxy: FaultProxy, tmp_path: Path
 ) -> None:
     root, options = s3_objects
-    args = ["bench", "--diagnose", root, "--batch-size", "8", "--steps", "3", "--workers", "0"]
+    # 20 batches of 2: more than the loader's lookahead makes while the first batch waits, so
+    # the later batches wait on fetches too (batches of 8 were all made in the first's 0.15 s)
+    args = ["bench", "--diagnose", root, "--batch-size", "2", "--steps", "10", "--workers", "0"]
     slow = {**options, "endpoint_url": slow_proxy.endpoint}
     done = fastload(*args, "--step-ms", "1", *options_args(slow), "--json")
     assert done.returncode == 0, done.stderr
