@@ -138,6 +138,24 @@ def test_a_slow_body_that_keeps_arriving_is_never_cut_off(
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
+def test_the_first_byte_and_a_whole_body_each_get_the_timeout(
+    seaweed: S3Server, fast_path: bool
+) -> None:
+    """A body read in one piece waits the timeout for its headers, then the timeout again for
+    its bytes: 1.2 s to the first byte, then 1.2 s of body, within a 2 s timeout."""
+    body = os.urandom(480_000)  # whole: under 2 s at the floor rate
+    url = f"s3://{BUCKET}/two-waits-{uuid.uuid4().hex[:8]}.bin"
+    filesystem(url, seaweed.storage_options()).pipe_file(url.split("://")[1], body)
+    config = FetchConfig(hedge_budget=0, timeout=2.0, retries=0, outage_budget=0)
+    with FaultProxy(seaweed.endpoint, flavor="s3") as proxy:
+        fetcher = Fetcher({**seaweed.storage_options(proxy.endpoint), FAST_PATH: fast_path}, config)
+        fetcher.fetch([Request(url, 0, 10)])  # the client made and signed in: not what is timed
+        proxy.set_faults(Faults(latency=1.2, bandwidth=400_000, methods=("GET",)))
+        assert fetcher.fetch([Request(url, size=len(body))]) == [body]
+        assert fetcher.counters.retries == 0
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
 def test_bodies_are_bytes_unless_buffers_are_asked_for(
     seaweed: S3Server, objects: dict[str, bytes], fast_path: bool
 ) -> None:
