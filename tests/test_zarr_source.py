@@ -5,6 +5,7 @@ store lacks, each chunk read once per epoch, a restart that reads no metadata, g
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +353,78 @@ def test_chunks_are_decoded_by_their_codecs_and_zarr_s_array_checks_the_first(
         assert_same(sample, theirs[i])
     shard_objects = -(-37 // 8)  # each read and decoded whole by zarr's array
     assert through_zarr == (shard_objects if codec == "sharded" else 1), through_zarr
+
+
+def reversing_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk's codecs give its values reversed along its last axis: a chain that goes
+    wrong (another zarr's internals), which only zarr's own reading can tell."""
+    from fastload.sources import zarr as module
+
+    real = module._codec_chain
+
+    def chain(metadata: Any) -> Any:
+        decode = real(metadata)
+        return lambda body: decode(body)[..., ::-1]
+
+    monkeypatch.setattr(module, "_codec_chain", chain)
+
+
+def test_a_chunk_of_one_value_does_not_vouch_for_the_codecs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first chunk of a scan is background, one value (not the fill value: zarr writes no
+    chunk of that): the codecs' reading of it equals zarr's even where the codecs put values in
+    the wrong places. Chunks are compared until one
+    of more than one value is (before, the first settled it, and every later chunk came out
+    reversed)."""
+    reversing_chain(monkeypatch)
+    path = tmp_path / "scan.zarr"
+    data = RNG.integers(1, 1000, (12, 6)).astype(np.uint16)
+    data[:4] = 7
+    make(path, data, chunks=(4, 6))
+    theirs = zarr.open_array(str(path), mode="r")
+    for i, sample in enumerate(samples(RemoteDataset(Zarr(url(path))))):
+        assert_same(sample, theirs[i])
+
+
+def test_chunks_decoded_while_the_first_is_checked_wait_for_its_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads decode chunks at once (the loader's lookahead). One decoding a chunk while
+    another's chunk is being compared with zarr's reading waits for the verdict: before, it took
+    the codecs' values unchecked, and where they were wrong a sample was wrong without an
+    error."""
+    from fastload.sources import zarr as module
+
+    reversing_chain(monkeypatch)
+    path = tmp_path / "scan.zarr"
+    data = RNG.integers(1, 1000, (8, 6)).astype(np.uint16)
+    make(path, data, chunks=(4, 6))
+    decoder = RemoteDataset(Zarr(url(path))).source._zarr()  # type: ignore[attr-defined]
+    entered, release = threading.Event(), threading.Event()
+    original = module._Decoder._through_zarr
+
+    def held(self: Any, *args: Any) -> Any:  # the first check, held until released
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return original(self, *args)
+
+    monkeypatch.setattr(module._Decoder, "_through_zarr", held)
+    got: dict[int, np.ndarray] = {}
+
+    def decode(row: int) -> None:
+        region = (slice(4 * row, 4 * row + 4), slice(0, 6))
+        got[row] = decoder.decoded(f"c/{row}/0", region, (path / "c" / str(row) / "0").read_bytes())
+
+    first = threading.Thread(target=decode, args=(0,))
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=decode, args=(1,))
+    second.start()
+    second.join(1.0)  # it waits for the first's verdict (before: done at once, unchecked)
+    release.set()
+    first.join(30)
+    second.join(30)
+    for row in (0, 1):
+        assert_same(np.asarray(got[row]), data[4 * row : 4 * row + 4])

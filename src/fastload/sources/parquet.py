@@ -21,13 +21,14 @@ maps that file, taking a sample's values from it (its own copies of that row alo
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import pickle
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -43,12 +44,15 @@ from fastload.sources._shards import Shards, check_chunks
 
 __all__ = ["Parquet", "ParquetShards"]
 
-INDEX_VERSION = "parquet-index/2"  # 2: row_key values exact (pyarrow's to_numpy was not)
+# 2: row_key values exact (pyarrow's to_numpy was not); 3: list columns' rows exact and alike
+# (a fixed-size list of integers beside a null list was float64, nested lists with nulls 2-d)
+INDEX_VERSION = "parquet-index/3"
 _MAGIC = b"PAR1"
 _TAIL = 64 << 10  # the first suffix read: most footers fit
 _SPAN_GAP = 1 << 20  # bytes between chosen columns read rather than skipped (a request costs more)
 
 
+_T = TypeVar("_T")
 _STORED = b"fastload-rowgroup/1\n"  # a row group decoded, as its scratch file holds it
 _ALIGN = 64  # where each of its arrays starts: numpy reads them in place
 
@@ -73,7 +77,7 @@ class _Values:
         return _own(self.values[i])
 
     def rows(self, a: int, b: int) -> np.ndarray:
-        out: np.ndarray = self.values[a:b].copy()
+        out: np.ndarray = _own(self.values[a:b])
         return out
 
 
@@ -448,7 +452,7 @@ class ParquetShards(Shards):
         each column as numpy values (see :func:`_numpy`)."""
         table = self._table(chunk, body)
         columns: dict[str, _Column] = {
-            name: _Values(_numpy(table.column(name))) for name in table.column_names
+            name: _Values(_converted(chunk, table, name, _numpy)) for name in table.column_names
         }
         loaded = _RowGroup(columns, int(table.nbytes))
         del table  # what decoding allocated, given back: pyarrow's pool keeps it else
@@ -483,7 +487,7 @@ class ParquetShards(Shards):
         at = 0
         table = self._table(chunk, body)
         for name in table.column_names:
-            kind, parts = _stored(table.column(name))
+            kind, parts = _converted(chunk, table, name, _stored)
             spans = []
             for part in parts:
                 pad = bytes(-part.nbytes % _ALIGN)
@@ -506,6 +510,19 @@ class ParquetShards(Shards):
             return {name: column.rows(a, b) for name, column in loaded.columns.items()}
         row = index - self._firsts[chunk]
         return {name: column.row(row) for name, column in loaded.columns.items()}
+
+
+def _converted(chunk: Chunk, table: Any, name: str, convert: Callable[[Any], _T]) -> _T:
+    """``convert`` of the column ``name`` of a chunk's ``table``, or a ShardError naming the
+    column, the chunk and its file (pyarrow cannot give some values as Python's: a nanosecond
+    time in a struct...)."""
+    try:
+        return convert(table.column(name))
+    except Exception as exc:  # pyarrow's own errors
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        raise ShardError(
+            f"cannot read column {name!r} of {chunk.label} ({reason})", url=chunk.url
+        ) from exc
 
 
 def _open(chunk: Chunk, view: memoryview) -> _RowGroup:
@@ -592,7 +609,14 @@ def _objects(values: list[Any]) -> np.ndarray:
 
 
 def _own(value: Any) -> Any:
-    return value.copy() if isinstance(value, np.ndarray) else value
+    """``value`` as a copy of its own (the arrays, dicts and lists in it too): one it shared
+    with the chunk in memory would be read-only (pyarrow's) or, changed in place by a
+    transform, change what the next read of the chunk gives."""
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return value.copy()
+    if isinstance(value, np.ndarray | dict | list):
+        return copy.deepcopy(value)
+    return value
 
 
 def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarray) -> None:
@@ -609,39 +633,58 @@ def _check_sorted(shard: Entry, row_key: str, keys: list[str], starts: np.ndarra
 
 
 def _numpy(column: Any) -> np.ndarray:
-    """A pyarrow column as numpy, each null a null and every value exact.
+    """A pyarrow column (or array) as numpy, each null a null and every value exact.
 
     pyarrow's own ``to_numpy`` gives a dictionary-encoded null another row's value, and turns
     integers into float64 wherever a null sits among them (a column, the items of a list
-    column, a field of a struct), so an id above 2**53 changes. Here a dictionary column is
-    decoded first; an integer column with nulls is an object array of its numpy integers and
-    None; a list column with integer nulls inside has object arrays for rows; a struct or map
-    column is its rows' Python values.
+    column, those behind a null fixed-size list, a field of a struct), so an id above 2**53
+    changes. Here a dictionary column is decoded first; an integer column with nulls is an
+    object array of its numpy integers and None; a list column pyarrow would not keep exact has
+    for each row a 1-d array of its items as this function gives them (a list column with
+    integer nulls inside: object arrays of numpy integers and None; a nested list: arrays of
+    arrays), None for a null list; a struct or map column is its rows' Python values.
     """
-    arrow = import_extra("pyarrow", extra="parquet", feature="fastload.Parquet")
-    if arrow.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)
-    kind, whole = column.type, column.combine_chunks()
-    if _exact(arrow.types, kind, whole):
+    arrow = _arrow()
+    whole = column.combine_chunks() if isinstance(column, arrow.ChunkedArray) else column
+    if isinstance(whole, arrow.ExtensionArray):  # a tensor, a uuid...: as what stores it
+        whole = whole.storage
+    types = arrow.types
+    if types.is_dictionary(whole.type):
+        whole = whole.cast(whole.type.value_type)
+    kind = whole.type
+    if _exact(types, kind, whole):
         return whole.to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
-    if arrow.types.is_integer(kind):
+    if types.is_integer(kind):
         values = np.array(list(whole.fill_null(0).to_numpy()), dtype=object)
         values[whole.is_null().to_numpy(zero_copy_only=False)] = None
         return values
-    rows = whole.to_pylist()
-    if _is_list(arrow.types, kind):
-        rows = [None if row is None else np.array(row, dtype=object) for row in rows]
-    out = np.empty(len(rows), dtype=object)
-    out[:] = rows
-    return out
+    if _is_list(types, kind):
+        return _lists(whole)
+    return _objects(whole.to_pylist())
+
+
+def _lists(whole: Any) -> np.ndarray:
+    """A list array's rows (see :func:`_numpy`): slices of its items (those of its lists that
+    are not null, one after another), each row's as long as its list; None for a null list."""
+    items = _numpy(whole.flatten())
+    compute = import_extra("pyarrow.compute", extra="parquet", feature="fastload.Parquet")
+    lengths = compute.list_value_length(whole).fill_null(0).to_numpy()
+    ends = np.cumsum(lengths, dtype=np.int64).tolist()
+    nulls = whole.is_null().to_numpy(zero_copy_only=False).tolist()
+    return _objects(
+        [
+            None if null else items[end - length : end]
+            for null, length, end in zip(nulls, lengths.tolist(), ends, strict=True)
+        ]
+    )
 
 
 def _exact(types: Any, kind: Any, values: Any) -> bool:
     """Whether pyarrow's ``to_numpy`` keeps every value of ``values`` (of type ``kind``)."""
     if types.is_integer(kind):
         return bool(values.null_count == 0)
-    if _is_list(types, kind):
-        return _exact(types, kind.value_type, values.flatten())
+    if _is_list(types, kind):  # its conversion takes all the items, those behind a null too
+        return _exact(types, kind.value_type, values.values)
     return not (
         types.is_struct(kind)
         or types.is_map(kind)
@@ -651,7 +694,14 @@ def _exact(types: Any, kind: Any, values: Any) -> bool:
 
 
 def _is_list(types: Any, kind: Any) -> bool:
-    return bool(types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind))
+    return any(getattr(types, name, _never)(kind) for name in _LISTS)
+
+
+_LISTS = ("is_list", "is_large_list", "is_fixed_size_list", "is_list_view", "is_large_list_view")
+
+
+def _never(_: Any) -> bool:  # a type test this pyarrow lacks (list views came in pyarrow 16)
+    return False
 
 
 def _parquet() -> Any:
