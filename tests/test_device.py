@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import tarfile
@@ -160,6 +161,21 @@ def test_hooks_get_metrics_every_n_steps_and_cannot_break_training() -> None:
     }
     with pytest.raises(ConfigError, match="hooks must be callables"):
         DeviceLoader([], "cpu", hooks=["wandb"])  # type: ignore[list-item]
+
+
+def test_a_device_loader_per_epoch_calls_its_hooks_at_its_own_log_every_once() -> None:
+    """Over a fastload.DataLoader the hooks of a DeviceLoader made each epoch (migration.md's
+    pattern) are called every ``log_every`` of its steps, while it iterates: not at the
+    loader's ``log_every``, and not once more for each DeviceLoader made before."""
+    data = [(torch.full((2,), float(i)), i) for i in range(24)]
+    loader = fastload.DataLoader(data, batch_size=3)  # 8 steps a pass; its log_every is 50
+    calls: list[tuple[int, int]] = []
+    for epoch in range(3):
+        hook = functools.partial(lambda e, m, s: calls.append((e, s)), epoch)
+        assert len(list(DeviceLoader(loader, "cpu", hooks=[hook], log_every=4))) == 8
+    assert calls == [(0, 4), (0, 8), (1, 12), (1, 16), (2, 20), (2, 24)]
+    with pytest.raises(ConfigError, match="log_every must be an int >= 1"):
+        DeviceLoader(loader, "cpu", log_every=0)
 
 
 def test_diagnose_says_which_side_limits() -> None:

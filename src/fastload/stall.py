@@ -9,6 +9,7 @@ overfit-style test users otherwise write by hand.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -101,18 +102,22 @@ class Meter:
     def __init__(
         self, hooks: Sequence[Hook] = (), log_every: int = 50, batch_size: int | None = None
     ) -> None:
-        if log_every < 1:
-            raise ConfigError(f"log_every must be >= 1, got {log_every}")
-        for hook in hooks:
-            if not callable(hook):
-                raise ConfigError(f"hooks must be callables hook(metrics, step), got {hook!r}")
         self.stats = StepStats()  # since the meter was made
         self.epoch = StepStats()  # the current (or last) pass
-        self.hooks = tuple(hooks)
-        self.log_every = log_every
+        self.listeners = [Listener(hooks, log_every)]  # its own, then those of loops over it
         self.batch_size = batch_size  # the loader's, when it batches (see batch_size_of)
-        self._window = [0.0, 0.0, 0.0]  # wait, step, samples since the last hook call
         self._waiting = False  # inside a timed next(): a pass started now is nested in it
+
+    @contextlib.contextmanager
+    def listening(self, listener: Listener) -> Iterator[None]:
+        """``listener``'s hooks called too while the block runs (a pass of a loop over the
+        meter's loader: a :class:`fastload.DeviceLoader`'s hooks, at its own ``log_every``,
+        for as long as it iterates)."""
+        self.listeners.append(listener)
+        try:
+            yield
+        finally:
+            self.listeners.remove(listener)
 
     def timed(self, batches: Iterator[T], *, before: float = 0.0) -> Iterator[T]:
         """Yield ``batches`` unchanged, timing each wait and each step between them;
@@ -150,30 +155,47 @@ class Meter:
                 stats.first_batch_s += waited
             else:
                 stats.wait.add(waited)
-        self._window[0] += waited
-        self._window[2] += samples
+        for listener in self.listeners:
+            listener.window[0] += waited
+            listener.window[2] += samples
 
     def _step(self, seconds: float) -> None:
         for stats in (self.stats, self.epoch):
             stats.step.add(seconds)
             stats.steps += 1
-        self._window[1] += seconds
-        if self.hooks and self.stats.steps % self.log_every == 0:
-            self._call_hooks()
+        for listener in self.listeners:
+            listener.window[1] += seconds
+            if listener.hooks and self.stats.steps % listener.log_every == 0:
+                listener.call(self.stats.steps)
 
-    def _call_hooks(self) -> None:
-        wait, step, samples = self._window
-        busy = wait + step
+
+class Listener:
+    """Hooks called every ``log_every`` steps of a :class:`Meter` with the metrics of the
+    steps since their last call."""
+
+    def __init__(self, hooks: Sequence[Hook] = (), log_every: int = 50) -> None:
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ConfigError(f"log_every must be an int >= 1, got {log_every!r}")
+        for hook in hooks:
+            if not callable(hook):
+                raise ConfigError(f"hooks must be callables hook(metrics, step), got {hook!r}")
+        self.hooks = tuple(hooks)
+        self.log_every = log_every
+        self.window = [0.0, 0.0, 0.0]  # wait, step, samples since the last call
+
+    def call(self, step: int) -> None:
+        wait, seconds, samples = self.window
+        busy = wait + seconds
         metrics = {
             "data/wait_ms": wait / self.log_every * 1e3,
-            "data/step_ms": step / self.log_every * 1e3,
+            "data/step_ms": seconds / self.log_every * 1e3,
             "data/wait_share": wait / busy if busy else 0.0,
             "data/samples_per_s": samples / busy if busy else 0.0,
         }
-        self._window = [0.0, 0.0, 0.0]
+        self.window = [0.0, 0.0, 0.0]
         for hook in self.hooks:
             try:
-                hook(metrics, self.stats.steps)
+                hook(metrics, step)
             except Exception:  # a logging hook must never stop training
                 log.exception("stall hook %r failed; training goes on", hook)
 

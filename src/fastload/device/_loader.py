@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -12,7 +13,15 @@ from fastload.device._batch import map_tensors
 from fastload.device.cuda import cuda_batches
 from fastload.device.xla import check_sharding, xla_batches, xla_device
 from fastload.errors import ConfigError
-from fastload.stall import DATA_BOUND_ABOVE, Hook, Meter, StallReport, Window, window_report
+from fastload.stall import (
+    DATA_BOUND_ABOVE,
+    Hook,
+    Listener,
+    Meter,
+    StallReport,
+    Window,
+    window_report,
+)
 from fastload.stats import StageCounters
 
 __all__ = ["DeviceLoader", "resolve_device"]
@@ -77,9 +86,10 @@ class DeviceLoader:
         self.channels_last, self.dtype = channels_last, dtype
         self.data_bound_above = data_bound_above
         shared = getattr(loader, "meter", None)
+        self._listener: Listener | None = None
         if isinstance(shared, Meter) and callable(getattr(loader, "report", None)):
             self.meter = shared  # one meter per loop: a fastload.DataLoader's own
-            self.meter.hooks += Meter(hooks, log_every).hooks
+            self._listener = Listener(hooks, log_every)  # called while this one iterates
         else:
             self.meter = Meter(hooks, log_every, getattr(loader, "batch_size", None))
         self._delivered = 0
@@ -96,9 +106,15 @@ class DeviceLoader:
         self._delivered = 0
         self._passes += 1
         self._pass_start = copy.deepcopy(self.counters)  # a live view for an in-process dataset
-        for batch in self.meter.timed(self._batches()):
-            self._delivered += 1
-            yield batch
+        listening = (
+            contextlib.nullcontext()
+            if self._listener is None
+            else self.meter.listening(self._listener)
+        )
+        with listening:
+            for batch in self.meter.timed(self._batches()):
+                self._delivered += 1
+                yield batch
 
     def _batches(self) -> Iterator[Any]:
         kind = self.device.type
