@@ -853,6 +853,9 @@ class Prefetching(Dataset[int]):
     def fillable(self) -> bool:
         return False
 
+    def workers_fill(self) -> None:
+        raise AssertionError("nothing is filled here")
+
     def read_filled(self, filled: Filled) -> list[Any]:
         raise AssertionError(f"nothing is filled here: {filled.indices}")
 

@@ -87,6 +87,10 @@ class LoaderDataset(Protocol):
     def fillable(self) -> bool:
         """Whether workers may only fill the cache, the loop's process reading it back."""
 
+    def workers_fill(self) -> None:
+        """Workers fill the cache from now on, this process reads it back: it keeps what it
+        makes, and leaves judging whether the cache pays to the workers."""
+
     def prefetch(self, indices: Sequence[int]) -> Future[None]:
         """Make and cache ``indices`` in the background (a batch the loop reads soon)."""
 

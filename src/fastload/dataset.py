@@ -254,7 +254,8 @@ class _Batched(Dataset[Any]):
             self._filled_batches = 0
         cache.counters.hits += len(positions) - len(missing)
         made = dict(zip(missing, self._items(missing) if missing else [], strict=True))
-        if not any(isinstance(item, BaseException) for item in made.values()):
+        failed = any(isinstance(item, BaseException) for item in made.values())
+        if not failed and self._reads_cache():  # not bypassed meanwhile: all are cached
             return Filled(positions)
         rest = [p for p in dict.fromkeys(positions) if p not in made]
         made.update(zip(rest, self._items(rest) if rest else [], strict=True))
@@ -275,6 +276,9 @@ class _Batched(Dataset[Any]):
 
     def _reads_cache(self) -> bool:
         return self.cache is not None
+
+    def workers_fill(self) -> None:
+        """See :class:`fastload._contract.LoaderDataset`: nothing to leave here."""
 
     def _cacheless(self) -> bool:
         """Whether samples are made on every read: no cache, or one bypassed (RemoteDataset)."""
@@ -624,6 +628,9 @@ class RemoteDataset(_Batched):
 
     def _force_cache(self) -> None:
         self._worth.force()
+
+    def workers_fill(self) -> None:
+        self._worth.defer()
 
     def _cached(self, indices: list[int], how: Read) -> list[Any]:
         """:meth:`_samples` through the cache, with no :class:`Sample` made for a sample the

@@ -236,6 +236,8 @@ class DataLoader(tud.DataLoader[Any]):
         for source in self._lookaheads:
             source.begin(workers=bool(self.num_workers) and not here)
         if not here:
+            if self.fills and self._contract is not None:
+                self._contract.workers_fill()
             self._before_fork()
             self._head_start()
         started = time.perf_counter()

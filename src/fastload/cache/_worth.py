@@ -109,6 +109,7 @@ class Worth:
         self.costs: Costs | None = None
         """The figures judged (None until judged)."""
         self._open = judge and blocks is not None and len(blocks) > 0
+        self._deferred_in: int | None = None  # the process that left judging to its workers
         self._batches: list[_Batch] = []
         self._lock, self._pid = threading.Lock(), os.getpid()
 
@@ -121,7 +122,16 @@ class Worth:
 
     @property
     def judging(self) -> bool:
+        if self._deferred_in not in (None, os.getpid()):  # a DataLoader worker's copy judges
+            self._open, self._deferred_in = True, None
         return self._open
+
+    def defer(self) -> None:
+        """Leave the judgement to this process's DataLoader workers, which fill the cache (this
+        process reads their batches back from it): what it makes itself, the first batches
+        while they start, it caches. Their copies judge, forked or unpickled."""
+        if self._open:
+            self._open, self._deferred_in = False, os.getpid()
 
     def force(self) -> None:
         """Cache from now on, judged or not (an explicit fill: ``warm``)."""
