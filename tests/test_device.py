@@ -271,6 +271,24 @@ def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
     assert "cache misses: 100%" in cold.cause, (cold.cause, cold.counters.cache)
 
 
+def test_a_pass_reports_the_requests_in_flight_as_they_are_not_their_change(
+    seaweed: S3Server,
+) -> None:
+    """``limit`` and ``limit_peak`` are levels: every pass's report gives them as ``stats()``
+    does, with workers too, where a later pass read 0 (a count's change)."""
+    options = seaweed.storage_options()
+    root = upload(f"s3://{BUCKET}/levels-{uuid.uuid4().hex[:8]}", options, 40)
+    dataset = RemoteDataset(root, decode="npy", storage_options=options)
+    for workers in (0, 2):
+        loader = fastload.DataLoader(dataset, batch_size=8, num_workers=workers)
+        for _ in range(2):
+            window = run(DeviceLoader(loader, "cpu"), step=0).counters
+            assert window is not None
+            now = loader.counters.fetch
+            assert (window.fetch.limit, window.fetch.limit_peak) == (now.limit, now.limit_peak)
+            assert window.fetch.limit >= 16
+
+
 @pytest.mark.skipif(not QUEUE_KNOWN, reason="the kernel gives no run-queue time (not Linux)")
 @pytest.mark.parametrize(
     ("cpu", "queued", "part", "advice"),

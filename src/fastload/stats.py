@@ -123,6 +123,9 @@ class Histogram:
         return float(_MIN_SECONDS * 2 ** ((bucket + 1) / _PER_OCTAVE))
 
 
+_LEVEL = {"level": True}  # a field that is a level now, not a count: a window keeps its value
+
+
 @dataclass
 class FetchStats:
     """What :class:`fastload.fetcher.Fetcher` did: every attempt, retry, hedge and byte."""
@@ -138,8 +141,8 @@ class FetchStats:
     # requests allowed in flight now and the most so far (FetchConfig.adaptive tunes it; each
     # process counts its own, DataLoader workers' are added up), throttling answers (503
     # SlowDown, 429) and the cuts of the limit they made
-    limit: int = 0
-    limit_peak: int = 0
+    limit: int = field(default=0, metadata=_LEVEL)
+    limit_peak: int = field(default=0, metadata=_LEVEL)
     throttled: int = 0
     limit_cuts: int = 0
     # shard chunks read again after memory dropped them before they served a quarter of their
@@ -252,7 +255,7 @@ class StageCounters:
         drain. Copying and then zeroing them lost such counts.
         """
         now = StageCounters(*(_copied(getattr(self, n)) for n in _STAGES))
-        taken = now.since(self.__dict__.get("_drained") or StageCounters())
+        taken = now._minus(self.__dict__.get("_drained") or StageCounters(), levels=False)
         self.__dict__["_drained"] = now
         return taken
 
@@ -262,10 +265,17 @@ class StageCounters:
         return not any(_counted(getattr(self, name)) for name in _STAGES)
 
     def since(self, earlier: StageCounters) -> StageCounters:
-        """What was counted since ``earlier`` (a copy of these counters taken before)."""
+        """What was counted since ``earlier`` (a copy of these counters taken before), with
+        the levels (``FetchStats.limit``, ``limit_peak``) as they are now."""
+        return self._minus(earlier, levels=True)
+
+    def _minus(self, earlier: StageCounters, *, levels: bool) -> StageCounters:
+        """These counters less ``earlier``'s; ``levels``: keep the levels' values, where a
+        drain takes their change too (added up where they are merged, the changes of each
+        process come to its level)."""
         out = StageCounters()
         for name in _STAGES:
-            _minus(getattr(out, name), getattr(self, name), getattr(earlier, name))
+            _minus(getattr(out, name), getattr(self, name), getattr(earlier, name), levels)
         return out
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
@@ -311,10 +321,12 @@ def _counted(stats: Any) -> bool:
     return False
 
 
-def _minus(into: Any, now: Any, earlier: Any) -> None:
+def _minus(into: Any, now: Any, earlier: Any, levels: bool) -> None:
     for f in fields(into):
         new, old = getattr(now, f.name), getattr(earlier, f.name)
-        if isinstance(new, Histogram):
+        if levels and f.metadata.get("level"):
+            setattr(into, f.name, new)
+        elif isinstance(new, Histogram):
             setattr(into, f.name, new.minus(old))
         elif isinstance(new, list):
             setattr(into, f.name, [k for k in new if k not in old])
