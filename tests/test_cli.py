@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fastload import Cache
@@ -284,6 +285,17 @@ def test_warm_from_gcs_and_b2(store: str, gcs: FakeGcsServer, b2: B2Server, tmp_
         root, "--cache-dir", str(tmp_path), "--format", "zarr", *options_args(options)
     )
     assert code == 0 and report["samples"] == 8 and report["failures"] == {}
+
+
+def test_cache_clear_without_a_terminal_asks_for_yes_and_removes_nothing(tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "c", format="npy")
+    cache.put("s3://b/k.npy", np.zeros(3, np.float32))
+    done = fastload("cache", "clear", str(tmp_path / "c"))  # stdin: pytest's, no terminal
+    assert done.returncode == 2, done
+    assert "no terminal to answer on: pass --yes" in done.stderr, done.stderr
+    assert len(Cache(tmp_path / "c", format="npy", read_only=True)) == 1
+    done = fastload("cache", "clear", "--yes", str(tmp_path / "c"))
+    assert done.returncode == 0 and len(Cache(tmp_path / "c", format="npy")) == 0
 
 
 def test_bad_input_is_one_line_with_the_right_exit_code(seaweed: S3Server, tmp_path: Path) -> None:

@@ -248,6 +248,7 @@ def test_a_glob_in_a_url_that_lists_nothing_says_how_to_match_keys(tmp_path: Pat
     said = str(caught.value)
     assert f"RemoteDataset(Objects('file://{tmp_path}', pattern='s-?.npy'))" in said
     assert f"Manifest.build('file://{tmp_path}', pattern='s-?.npy')" in said
+    assert f"on the command line, file://{tmp_path} --pattern 's-?.npy'" in said
     assert Manifest.build(f"file://{tmp_path}", pattern="s-?.npy").keys() == ["s-0.npy", "s-1.npy"]
     assert Manifest.build(f"file://{tmp_path}/s-{{0,1}}.npy").keys() == ["s-0.npy", "s-1.npy"]
     assert Manifest.build(f"file://{tmp_path}/s-*").keys() == ["x.npy"]  # a folder's own name

@@ -644,7 +644,8 @@ def _glob_hint(url: str) -> str:
     return (
         f" ('*', '?' and '[' in a URL without a brace list are a key's own characters; for the "
         f"keys a glob matches, RemoteDataset(Objects({folder!r}, pattern={last!r})) or "
-        f"Manifest.build({folder!r}, pattern={last!r}))"
+        f"Manifest.build({folder!r}, pattern={last!r}); on the command line, "
+        f"{folder} --pattern {last!r})"
     )
 
 

@@ -745,6 +745,11 @@ def cache_clear(
 ) -> None:
     """Remove every entry (the directory stays a cache)."""
     caches = _caches(directory)
+    if not yes and not sys.stdin.isatty():
+        raise ConfigError(
+            f"cache clear asks before it removes every entry in {directory}, and there is no "
+            "terminal to answer on: pass --yes"
+        )
     if not yes and not typer.confirm(f"remove every entry in {directory}?"):
         raise typer.Exit(1)
     caches[0].clear()
