@@ -255,6 +255,22 @@ def test_report_names_fetch_latency_cold_and_is_compute_bound_warm(
     assert warm.counters.cache.hits == 64
 
 
+def test_report_says_the_store_throttled_the_reads(seaweed: S3Server) -> None:
+    """A store answering 503 SlowDown to more than 4 requests at once: the cause says so, and
+    how the requests in flight were cut, not only the fetch latency."""
+    root = upload(f"s3://{BUCKET}/thr-{uuid.uuid4().hex[:8]}", seaweed.storage_options(), 64)
+    faults = Faults(latency=0.05, throttle_above=4)
+    with FaultProxy(seaweed.endpoint, flavor="s3", faults=faults) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        dataset = RemoteDataset(root, decode="npy", storage_options=options)
+        loader = fastload.DataLoader(dataset, batch_size=16, num_workers=0)
+        report = run(DeviceLoader(loader, "cpu"), step=0)
+    fetch = report.counters.fetch if report.counters is not None else None
+    assert fetch is not None and fetch.throttled > 0 and fetch.objects == 64
+    assert report.bound == "data", report.verdict
+    assert f"the store throttled {fetch.throttled} requests" in report.cause, report.cause
+
+
 def test_a_cold_epoch_with_workers_reports_every_sample_fetched(
     seaweed: S3Server, tmp_path: Path
 ) -> None:

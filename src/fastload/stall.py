@@ -419,6 +419,11 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         f"fetch latency p50 {fetch.latency.percentile(50) * 1e3:.0f} ms, "
         f"p99 {fetch.latency.percentile(99) * 1e3:.0f} ms, {fetch.retries} retries"
     )
+    if fetch.throttled:
+        latency += (
+            f"; the store throttled {fetch.throttled} requests (503 SlowDown or 429), which cut "
+            f"the requests in flight {fetch.limit_cuts} times, to {fetch.limit} now"
+        )
     if fetch.chunks_read_early >= _EARLY_READS_MATTER * fetch.objects > 0:
         return (
             f"shard chunks read again: {fetch.chunks_read_early} of {fetch.objects} reads "
@@ -433,7 +438,7 @@ def _cause(steps: StepStats, counters: StageCounters | None) -> str:
         )
     if missed is None and fetch.objects:
         cached = "the cache is bypassed" if cache.bypassed else "no cache"
-        return f"fetch latency ({latency}); {cached}, so every epoch fetches again"
+        return f"{latency}; {cached}, so every epoch fetches again"
     if compute.count and compute.total >= _PREPARE_MATTERS * steps.wait.total:
         share = "samples" if missed is None else f"{missed:.0%} of samples"
         return (
