@@ -25,7 +25,7 @@ import re
 import tarfile
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from itertools import pairwise
 from typing import Any
@@ -41,6 +41,7 @@ from fastload.sources._complete import Incomplete, Members, check_policy, incomp
 from fastload.sources._indexes import SLOT
 from fastload.sources._shards import Shards, check_chunks
 from fastload.sources.groups import group_decoder
+from fastload.transforms import GROUP_DECODERS, decoder, fingerprint, on_views
 
 __all__ = ["Tar", "TarShards"]
 
@@ -100,7 +101,16 @@ class Tar(Source):
         )
 
     def decoder(self, decode: DecodeSpec) -> Callable[[Any], Any]:
-        return super().decoder(None) if decode is None else group_decoder(decode)
+        """What ``decode`` becomes over a sample's members, which :class:`TarShards` gives as
+        views of their chunk: a member decoder that reads views in place (npy, raw) decodes
+        its member from the chunk; any other member decoder, a callable or group decoder given
+        the whole sample, and ``decode=None`` get ``bytes``, as documented
+        (:func:`fastload.transforms.on_views`)."""
+        if isinstance(decode, str) and decode not in GROUP_DECODERS:
+            decode = {"*": decode}  # as group_decoder reads a name: every member by it
+        if isinstance(decode, Mapping):
+            return group_decoder({pattern: on_views(decoder(d)) for pattern, d in decode.items()})
+        return _MembersAsBytes(super().decoder(None) if decode is None else group_decoder(decode))
 
     def warm_part(self, manifest: Manifest, part: tuple[int, int]) -> Manifest | None:
         """Whole shards: every count-th tar shard from i, and every object that is not one
@@ -324,7 +334,9 @@ class TarShards(Shards):
     def _name(self, index: int) -> str:
         return self._keys[index]
 
-    def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, bytes]:
+    def _payload(self, index: int, chunk: int, loaded: Any) -> dict[str, memoryview]:
+        """The sample's members as views of its chunk (no copy): only :meth:`Tar.decoder`'s
+        decoders see them, and what they return holds none of them (a copy where needed)."""
         base = self._chunks[chunk].start
         at = self._starts[index] - base
         view = memoryview(loaded)
@@ -337,8 +349,26 @@ class TarShards(Shards):
         out = {}
         for m in members:
             begin = at + self._offsets[m]
-            out[self._exts[m]] = bytes(view[begin : begin + self._sizes[m]])
+            out[self._exts[m]] = view[begin : begin + self._sizes[m]]
         return out
+
+
+class _MembersAsBytes:
+    """A decoder of whole tar samples, given each member's ``bytes`` (a copy of its view of the
+    chunk, see :meth:`Tar.decoder`); its fingerprint is the decoder's."""
+
+    def __init__(self, decode: Callable[[dict[str, bytes]], Any]) -> None:
+        self.decode = decode
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.decode)  # when asked, as for the decoder itself
+
+    def __call__(self, members: Mapping[str, memoryview]) -> Any:
+        return self.decode({ext: bytes(body) for ext, body in members.items()})
+
+    def __repr__(self) -> str:
+        return repr(self.decode)
 
 
 def _unreported(shard: Entry, message: str) -> None:
