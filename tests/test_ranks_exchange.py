@@ -6,6 +6,7 @@ plays the other process on the host, which can reach the store and write into it
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import os
 import pickle
@@ -292,6 +293,27 @@ def test_a_short_secret_is_a_config_error(store_env: Path, monkeypatch: pytest.M
     monkeypatch.setenv("FASTLOAD_STORE_SECRET", "job42")
     with pytest.raises(ConfigError, match="FASTLOAD_STORE_SECRET has 5 characters"):
         RankStore(0)
+
+
+def test_a_host_name_that_resolves_here_to_loopback_alone_is_served_on_every_interface(
+    store_env: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``MASTER_ADDR=$(hostname)`` where /etc/hosts maps the name to 127.0.x.1: the other
+    hosts resolve it to the host's real address, which a store bound to loopback never
+    answers on (they would wait out the store's timeout); so it listens on every interface,
+    as torch's own store does, and says so."""
+    host = socket.gethostname()
+    found = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    if not all(ipaddress.ip_address(a).is_loopback for a in found):
+        pytest.skip(f"{host} resolves to {sorted(found)} here, not to loopback alone")
+    monkeypatch.setenv("MASTER_ADDR", host)
+    port = int(os.environ["FASTLOAD_STORE_PORT"])
+    store = RankStore(0)
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=10).close()  # another address
+    finally:
+        del store
+    assert any("resolves here only to the loopback" in r.getMessage() for r in caplog.records)
 
 
 def test_the_exchange_settings_come_from_the_launcher_s_variables() -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -34,6 +36,8 @@ from fastload.config import ExchangeConfig
 from fastload.errors import ConfigError, RankExchangeError
 
 __all__ = ["RankStore", "sign"]
+
+log = logging.getLogger(__name__)
 
 _WAIT = timedelta(hours=6)  # rank 0 may list a large bucket for a long time
 _KEY_BYTES = 32
@@ -116,10 +120,22 @@ class RankStore:
 
     def _listening(self) -> int:
         """A socket listening on ``MASTER_ADDR``'s address alone (torch's own store listens
-        on every interface), handed to the store to serve on."""
-        family, kind, proto, _, address = socket.getaddrinfo(
-            self.host, self.port, type=socket.SOCK_STREAM
-        )[0]
+        on every interface), handed to the store to serve on. A host name that resolves here
+        only to a loopback address (``127.0.1.1 host`` in /etc/hosts) names another address
+        on the other hosts, which could never reach it: then on every interface, as torch's."""
+        found = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        outward = [info for info in found if not ipaddress.ip_address(info[4][0]).is_loopback]
+        family, kind, proto, _, address = (outward or found)[0]
+        if not outward and not _loopback_name(self.host):
+            log.warning(
+                "MASTER_ADDR %r resolves here only to the loopback address %s, which the "
+                "ranks on other hosts cannot reach: %s listens on every interface (as torch's "
+                "own store does); give MASTER_ADDR this host's address to serve on it alone",
+                self.host,
+                address[0],
+                self.where,
+            )
+            address = ("::" if family == socket.AF_INET6 else "0.0.0.0", self.port)
         with socket.socket(family, kind, proto) as listening:
             # as torch's own: a new job on the port need not wait out the last one's TIME_WAIT
             listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -154,6 +170,16 @@ class RankStore:
         if len(key) != _KEY_BYTES:
             raise RankExchangeError(f"the key of {self.where} at {path} is damaged")
         return key
+
+
+def _loopback_name(host: str) -> bool:
+    """Whether ``host`` says loopback itself (``localhost``, ``127.0.0.1``, ``::1``)."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 def _given(secret: str) -> bytes:
