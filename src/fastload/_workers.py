@@ -89,7 +89,7 @@ class WorkerInit:
     def __call__(self, worker_id: int) -> None:
         if self.counted:
             counters = _worker_counters()
-            counters.drain()
+            counters.restart()
             if self.started:
                 counters.dataset.worker_start.add(max(0.0, time.time() - self.started))
         if self.user is not None:

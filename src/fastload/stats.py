@@ -123,7 +123,10 @@ class Histogram:
         return float(_MIN_SECONDS * 2 ** ((bucket + 1) / _PER_OCTAVE))
 
 
-_LEVEL = {"level": True}  # a field that is a level now, not a count: a window keeps its value
+# fields that are levels, not counts: a window or a drain gives their value as it is, and
+# merging another process's keeps the latest it reported ("latest") or the most ("peak")
+_LATEST = {"level": "latest"}
+_PEAK = {"level": "peak"}
 
 
 @dataclass
@@ -138,11 +141,11 @@ class FetchStats:
     quarantined: int = 0  # objects given up while the store answered others (see FetchConfig)
     hedges: int = 0  # duplicate requests sent for the slow tail
     hedge_wins: int = 0  # hedges that answered first
-    # requests allowed in flight now and the most so far (FetchConfig.adaptive tunes it; each
-    # process counts its own, DataLoader workers' are added up), throttling answers (503
-    # SlowDown, 429) and the cuts of the limit they made
-    limit: int = field(default=0, metadata=_LEVEL)
-    limit_peak: int = field(default=0, metadata=_LEVEL)
+    # requests allowed in flight now and the most so far, per process (FetchConfig.adaptive
+    # tunes each process's; merged: the latest a process reported, and the most), throttling
+    # answers (503 SlowDown, 429) and the cuts of the limit they made
+    limit: int = field(default=0, metadata=_LATEST)
+    limit_peak: int = field(default=0, metadata=_PEAK)
     throttled: int = 0
     limit_cuts: int = 0
     # shard chunks read again after memory dropped them before they served a quarter of their
@@ -255,7 +258,7 @@ class StageCounters:
         drain. Copying and then zeroing them lost such counts.
         """
         now = StageCounters(*(_copied(getattr(self, n)) for n in _STAGES))
-        taken = now._minus(self.__dict__.get("_drained") or StageCounters(), levels=False)
+        taken = now.since(self.__dict__.get("_drained") or StageCounters())
         self.__dict__["_drained"] = now
         return taken
 
@@ -267,16 +270,21 @@ class StageCounters:
     def since(self, earlier: StageCounters) -> StageCounters:
         """What was counted since ``earlier`` (a copy of these counters taken before), with
         the levels (``FetchStats.limit``, ``limit_peak``) as they are now."""
-        return self._minus(earlier, levels=True)
-
-    def _minus(self, earlier: StageCounters, *, levels: bool) -> StageCounters:
-        """These counters less ``earlier``'s; ``levels``: keep the levels' values, where a
-        drain takes their change too (added up where they are merged, the changes of each
-        process come to its level)."""
         out = StageCounters()
         for name in _STAGES:
-            _minus(getattr(out, name), getattr(self, name), getattr(earlier, name), levels)
+            _minus(getattr(out, name), getattr(self, name), getattr(earlier, name))
         return out
+
+    def restart(self) -> None:
+        """Counting starts here, in a process of its own (a DataLoader worker, whose dataset
+        copy carries its parent's counters): nothing counted so far is sent by :meth:`drain`,
+        and the levels are this process's, none yet."""
+        for name in _STAGES:
+            stats = getattr(self, name)
+            for f in fields(stats):
+                if f.metadata.get("level"):
+                    setattr(stats, f.name, 0)
+        self.drain()
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {
@@ -290,11 +298,16 @@ def merge_counters(into: Any, other: Any) -> None:
     """Add the counter dataclass ``other`` into ``into`` field by field."""
     for f in fields(into):
         mine, theirs = getattr(into, f.name), getattr(other, f.name)
+        level = f.metadata.get("level")
         if isinstance(mine, Histogram):
             mine.merge(theirs)
         elif isinstance(mine, list):
             mine.extend(k for k in theirs if k not in mine)
             del mine[_MAX_KEYS:]
+        elif level == "latest":
+            setattr(into, f.name, theirs or mine)  # 0: that process has none yet
+        elif level == "peak":
+            setattr(into, f.name, max(mine, theirs))
         else:
             setattr(into, f.name, mine + theirs)
 
@@ -321,10 +334,10 @@ def _counted(stats: Any) -> bool:
     return False
 
 
-def _minus(into: Any, now: Any, earlier: Any, levels: bool) -> None:
+def _minus(into: Any, now: Any, earlier: Any) -> None:
     for f in fields(into):
         new, old = getattr(now, f.name), getattr(earlier, f.name)
-        if levels and f.metadata.get("level"):
+        if f.metadata.get("level"):
             setattr(into, f.name, new)
         elif isinstance(new, Histogram):
             setattr(into, f.name, new.minus(old))
