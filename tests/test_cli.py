@@ -92,6 +92,56 @@ def test_warm_then_rerun_skips_everything(
     assert human.returncode == 0 and "40 samples (40 already cached)" in human.stdout
 
 
+def test_a_budget_smaller_than_the_dataset_says_what_it_evicted(
+    seaweed: S3Server, tmp_path: Path
+) -> None:
+    """`--max-bytes` below the dataset: the warm succeeds (exit 0) and its summary counts the
+    samples warmed but evicted by the budget (all that the cache does not hold at the end),
+    warning that training fetches them again (it said nothing: 600 samples warmed, 88 KB
+    kept). A budget that holds them all counts none and warns of nothing."""
+    options = seaweed.storage_options()
+    n = 120  # 120 samples of 4 KB: 480 KB under a budget of 64 KB
+    root = upload(f"s3://{BUCKET}/budget-{uuid.uuid4().hex[:8]}", options, n, shape=(32, 32))
+    args = [root, "--format", "npy", "--max-bytes", "64KB", *options_args(options)]
+    done = fastload("warm-cache", *args, "--cache-dir", str(tmp_path / "j"), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    kept = len(Cache(tmp_path / "j", format="npy", read_only=True))
+    assert report["samples"] == n and report["failures"] == {} and 0 < kept < n // 4
+    assert report["evicted"] == n - kept
+    said = f"{n - kept:,} of the samples warmed are not in the cache"
+    assert said in done.stderr and "Training will fetch and make them again" in done.stderr
+    human = fastload("warm-cache", *args, "--cache-dir", str(tmp_path / "h"))
+    assert human.returncode == 0, human.stderr
+    kept = len(Cache(tmp_path / "h", format="npy", read_only=True))
+    assert f"warning: {n - kept:,} of the samples warmed are not in the cache" in human.stdout
+    roomy = [root, "--format", "npy", "--max-bytes", "10MB", *options_args(options), "--json"]
+    done = fastload("warm-cache", *roomy, "--cache-dir", str(tmp_path / "r"))
+    assert done.returncode == 0 and json.loads(done.stdout)["evicted"] == 0
+    assert "not in the cache" not in done.stderr
+
+
+def test_a_budget_evicting_earlier_groups_of_tar_shards_counts_them(
+    seaweed: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tar shards warmed a group at a time under a small budget: a later group's writes evict
+    an earlier group's samples, and the summary counts those too (each group's count at its
+    own end would miss them)."""
+    from tests.test_shards import PER_SHARD, SHARDS, tar_dataset
+
+    options = seaweed.storage_options()
+    root = f"s3://{BUCKET}/budget-tar-{uuid.uuid4().hex[:8]}"
+    shards = [len(b) for k, b in tar_dataset(root, options).items() if k.endswith(".tar")]
+    monkeypatch.setenv("FASTLOAD_CHUNK_MEMORY_BYTES", str(int(2.5 * max(shards))))  # 1 a group
+    args = [f"{root}/train", "--shards", "tar", "--format", "npy", "--max-bytes", "64KB"]
+    code, report = warm_json(*args, "--cache-dir", str(tmp_path), *options_args(options))
+    assert code == 0 and report["failures"] == {}
+    assert report["requests"] == SHARDS  # warmed in groups: each shard read once
+    kept = len(Cache(tmp_path, format="npy", read_only=True))
+    assert 0 < kept < PER_SHARD
+    assert report["evicted"] == SHARDS * PER_SHARD - kept
+
+
 def test_transform_and_seed_order(s3_objects: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     root, options = s3_objects
     args = [

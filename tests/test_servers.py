@@ -18,6 +18,7 @@ import s3fs
 from b2sdk.v2 import B2Api, InMemoryAccountInfo
 from b2sdk.v2.exception import FileNotPresent, Unauthorized
 
+from fastload.errors import ConfigError
 from fastload.testing import B2Server, FakeGcsServer, S3Server
 from tests.conftest import BUCKET
 
@@ -86,6 +87,18 @@ def test_s3_rejects_wrong_credentials(seaweed: S3Server) -> None:
 def test_s3_missing_bucket_is_not_found(seaweed: S3Server) -> None:
     with pytest.raises(FileNotFoundError):
         s3_fs(seaweed).ls("fastload-no-such-bucket", refresh=True)
+
+
+@pytest.mark.parametrize("server", ["seaweed", "moto"])
+def test_an_invalid_bucket_name_is_named_not_a_server_that_failed_to_start(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """``create_bucket("b")``: the server's refusal of the name is a ConfigError naming it and
+    why (it was a ServerStartError, as if the server had not come up); the server still runs."""
+    s3: S3Server = request.getfixturevalue(server)
+    with pytest.raises(ConfigError, match=r"'b' is not a valid S3 bucket name \(InvalidBucket"):
+        s3.create_bucket("b")
+    assert s3_fs(s3).ls(BUCKET, refresh=True) is not None
 
 
 # -- B2 through b2sdk over real HTTP ---------------------------------------------------------

@@ -1,11 +1,15 @@
 """fastload.Zarr beyond the conformance suite (tests/sources/test_conformance.py): values exact
 against zarr's own read, patches, compressed and sharded arrays, the fill value of a chunk the
-store lacks, each chunk read once per epoch, a restart that reads no metadata, groups."""
+store lacks, each chunk read once per epoch, a restart that reads no metadata, groups (an
+array named in its group or by its own URL: the same samples and cache names, warmed by the
+command line through one and trained on through the other, on S3)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +27,9 @@ from zarr.codecs import (
 )
 
 import fastload
-from fastload import ChunkConfig, ConfigError, Manifest, RemoteDataset, ShardError, Zarr
-from tests.conftest import assert_identities
+from fastload import Cache, ChunkConfig, ConfigError, Manifest, RemoteDataset, ShardError, Zarr
+from fastload.testing import S3Server
+from tests.conftest import BUCKET, assert_identities, write
 
 
 def make(path: Path, data: np.ndarray, **options: Any) -> zarr.Array:
@@ -270,6 +275,103 @@ def test_a_group_names_its_arrays(tmp_path: Path) -> None:
         RemoteDataset(Zarr(url(path)))
     with pytest.raises(ConfigError, match=r"no Zarr array at .*/nothing"):
         RemoteDataset(Zarr(url(path), array="nothing"))
+
+
+@pytest.fixture
+def oct_group(seaweed: S3Server, tmp_path: Path) -> tuple[str, dict[str, Any], np.ndarray]:
+    """A Zarr group on S3 (SeaweedFS) holding two arrays: ``scans`` (12 x 4 x 6 uint16 in
+    chunks of 4 x 4 x 3) and ``mask``; its URL, the storage options and the scans."""
+    path = tmp_path / "oct.zarr"
+    group = zarr.open_group(str(path), mode="w")
+    scans = awkward("uint16", (12, 4, 6))
+    group.create_array("scans", shape=scans.shape, dtype=scans.dtype, chunks=(4, 4, 3))[:] = scans
+    group.create_array("mask", shape=(12,), dtype="bool", chunks=(6,))[:] = True
+    root, options = f"s3://{BUCKET}/zarr-{uuid.uuid4().hex[:8]}/oct.zarr", seaweed.storage_options()
+    objects = {str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*") if f.is_file()}
+    write(root, options, objects)
+    return root, options, scans
+
+
+@pytest.mark.parametrize("patch", [None, (2, 2)])
+def test_an_array_named_in_its_group_or_by_its_own_url_gives_the_same_samples(
+    oct_group: tuple[str, dict[str, Any], np.ndarray], patch: tuple[int, ...] | None
+) -> None:
+    """``Zarr(group, array="scans")`` and ``Zarr(group + "/scans")`` name each sample alike:
+    the same URL and version, so the same cache name (the versions differed: the group's form
+    hashed the chunks' keys with the array's path in them, so a cache warmed through one form
+    missed every sample through the other)."""
+    root, options, _ = oct_group
+    named = RemoteDataset(Zarr(root, array="scans", patch=patch), storage_options=options)
+    own = RemoteDataset(Zarr(f"{root}/scans", patch=patch), storage_options=options)
+    indices = list(range(len(own)))
+    assert len(named) == len(own) == (12 if patch is None else 6 * 2)
+    assert named.source.identities(indices) == own.source.identities(indices)
+    assert named._cache_names(indices) == own._cache_names(indices)
+    for mine, theirs in zip(samples(named), samples(own), strict=True):
+        assert_same(mine, theirs)
+
+
+@pytest.mark.parametrize(
+    ("warmed", "trained"),
+    [
+        (["--array", "scans"], {}),  # warm the group's array, train on the array's URL
+        ([], {"array": "scans"}),  # and the other way
+        (["--array", "scans", "--patch", "2,2"], {"patch": (2, 2)}),
+    ],
+    ids=["group-then-array", "array-then-group", "patches"],
+)
+def test_the_command_line_warms_a_zarr_array_that_training_names_the_other_way(
+    oct_group: tuple[str, dict[str, Any], np.ndarray],
+    tmp_path: Path,
+    warmed: list[str],
+    trained: dict[str, Any],
+) -> None:
+    """`fastload warm-cache --shards zarr` takes Zarr's ``array=`` and ``patch=`` as
+    ``--array`` and ``--patch`` (it had neither: a group could not be warmed, and patches
+    needed --dataset); training through the other form of the array's name then reads every
+    sample from the cache, no request for any, and the values are zarr's."""
+    from tests.test_cli import fastload as cli
+    from tests.test_cli import options_args
+
+    root, options, scans = oct_group
+    group_form = "--array" in warmed
+    where = root if group_form else f"{root}/scans"
+    cache = tmp_path / "cache"
+    done = cli(
+        "warm-cache", where, "--shards", "zarr", *warmed, "--cache-dir", str(cache),
+        "--format", "npy", "--json", *options_args(options),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    total = 12 if "patch" not in trained else 12 // 2 * (4 // 2)
+    assert summary["samples"] == total and summary["failures"] == {}
+    source = Zarr(f"{root}/scans", **trained) if group_form else Zarr(root, **trained)
+    dataset = RemoteDataset(source, cache=Cache(cache, format="npy"), storage_options=options)
+    dataset.counters.drain()  # opening it read the array's metadata
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=0, collate_fn=list)
+    got = {dataset.source[i].name: sample for i, sample in enumerate(s for b in loader for s in b)}
+    counted = dataset.counters.drain()
+    assert counted.fetch.requests == 0
+    assert (counted.cache.hits, counted.cache.misses) == (total, 0)
+    assert len(got) == total
+    for name, sample in got.items():  # "[5]", or a patch's region: "[2:4,0:2]"
+        bounds = [tuple(map(int, b.split(":"))) for b in name[1:-1].split(",")]
+        region = tuple(b[0] if len(b) == 1 else slice(*b) for b in bounds)
+        assert_same(sample, scans[region])
+
+
+def test_the_command_line_checks_the_zarr_options_before_any_request(tmp_path: Path) -> None:
+    """A wrong ``--patch``, or ``--array`` for another source, is a usage error naming it."""
+    from tests.test_cli import fastload as cli
+
+    args = ["warm-cache", url(tmp_path / "none.zarr"), "--cache-dir", str(tmp_path / "c")]
+    for wrong, said in (
+        (["--shards", "tar", "--array", "scans"], "the tar source does not take array (array "),
+        (["--shards", "zarr", "--patch", "2,x"], "--patch takes sizes, comma-separated"),
+        (["--shards", "zarr", "--patch", "0,2"], "patch sizes must be >= 1, got (0, 2)"),
+    ):
+        done = cli(*args, *wrong)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
 def test_a_damaged_zstd_chunk_is_named_and_skipped(tmp_path: Path) -> None:

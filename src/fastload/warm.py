@@ -20,7 +20,9 @@ from fastload.dataset import CachedDataset, RemoteDataset
 from fastload.errors import ConfigError
 from fastload.sampler import PermutationSampler
 
-__all__ = ["WarmReport", "warm_cache", "warm_order"]
+__all__ = ["WarmReport", "cache_holds", "warm_cache", "warm_order"]
+
+_LOOK = 4096  # samples looked up in the cache at once, after a warm under a byte budget
 
 
 @dataclass
@@ -29,7 +31,10 @@ class WarmReport:
     ``unstored`` counts samples made but not cached because the cache's disk was full;
     ``left_out`` names the shards, samples or groups the dataset left out when it was made,
     under ``on_error="skip"`` or ``incomplete="skip"``, each with its reason; ``stopped`` says
-    why warming stopped before the end (its first samples all failed alike), else None."""
+    why warming stopped before the end (its first samples all failed alike), else None;
+    ``evicted`` counts samples warmed (made, or found cached) that the cache no longer holds
+    when the warm ends: its byte budget evicted them for later ones, or they were larger than
+    the whole budget. Training makes those again."""
 
     samples: int = 0
     hits: int = 0  # already cached (a rerun skips them)
@@ -41,6 +46,7 @@ class WarmReport:
     interrupted: bool = False
     left_out: list[str] = field(default_factory=list)
     stopped: str | None = None
+    evicted: int = 0
 
     def __add__(self, other: WarmReport) -> WarmReport:
         """Both warm-ups' counts, as one (the seconds added: the caller times a whole run)."""
@@ -55,6 +61,7 @@ class WarmReport:
             self.interrupted or other.interrupted,
             self.left_out + other.left_out,
             self.stopped or other.stopped,
+            self.evicted + other.evicted,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,6 +76,7 @@ class WarmReport:
             "interrupted": self.interrupted,
             "left_out": list(self.left_out),
             "stopped": self.stopped,
+            "evicted": self.evicted,
         }
 
 
@@ -121,6 +129,9 @@ def warm_cache(
     objects, a transform that raises, a store that refuses every read), nothing more is
     fetched and ``stopped`` says so, naming the first failure: the rest would have failed
     alike, after fetching the whole dataset.
+
+    Under a byte budget (or where the warm evicted entries), the cache is looked up once more at
+    the end, for ``evicted``: the samples warmed that it no longer holds.
     """
     if dataset.cache is None:
         raise ConfigError("warm_cache needs a dataset with a cache")
@@ -133,7 +144,8 @@ def warm_cache(
     report = WarmReport(left_out=list(counters.dataset.left_out))
     fetch, cache = counters.fetch, counters.cache
     start_requests, start_bytes, start_hits = fetch.requests, fetch.bytes, cache.hits
-    start_unstored = cache.unstored
+    start_unstored, start_evictions = cache.unstored, cache.evictions
+    warmed: list[int] = []  # the samples of the batches done
     started = time.perf_counter()
     first = stop_after or 0  # warmed alone, and checked, before the rest
     batches = [list(map(int, indices[:first]))] if first and len(indices) else []
@@ -142,6 +154,7 @@ def warm_cache(
     ]
 
     def done(batch: list[int], failures: list[tuple[str, BaseException]]) -> None:
+        warmed.extend(batch)
         report.samples += len(batch)
         for url, error in failures:
             report.failures[url] = f"{type(error).__name__}: {error}"
@@ -174,8 +187,40 @@ def warm_cache(
             report.interrupted = True
             for future, batch in running.items():
                 done(batch, future.result())  # let the batches in flight land whole
+    if dataset.cache.max_bytes is not None or cache.evictions > start_evictions:
+        report.evicted = _evicted(dataset, warmed, report)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def cache_holds(
+    dataset: RemoteDataset | CachedDataset, indices: Sequence[int] | np.ndarray
+) -> tuple[list[int], list[str]]:
+    """Of the samples at ``indices``, those the dataset's cache does not hold, and the cache
+    names of those it holds (the index looked up ``_LOOK`` samples at a time)."""
+    cache = dataset.cache
+    if cache is None:
+        raise ConfigError("cache_holds needs a dataset with a cache")
+    missing: list[int] = []
+    held: list[str] = []
+    for start in range(0, len(indices), _LOOK):
+        batch = [dataset._index(i) for i in indices[start : start + _LOOK]]
+        names = dataset._cache_names(batch)
+        for index, name, there in zip(batch, names, cache.contains_many(names), strict=True):
+            if there:
+                held.append(name)
+            else:
+                missing.append(index)
+    return missing, held
+
+
+def _evicted(dataset: RemoteDataset | CachedDataset, warmed: list[int], report: WarmReport) -> int:
+    """The samples of ``warmed`` the cache does not hold now, but for those that failed and
+    those a full disk kept out (``unstored``): the budget's doing."""
+    missing, _ = cache_holds(dataset, warmed)
+    failed = set(report.failures)
+    gone = sum(dataset._display(i) not in failed for i in missing)
+    return max(0, gone - report.unstored)
 
 
 def _all_failed_alike(batch: list[int], failures: list[tuple[str, BaseException]]) -> str | None:

@@ -159,6 +159,32 @@ def test_pipe_file_refuses_an_unknown_mode(fs: B2FileSystem, root: str) -> None:
         fs.pipe_file(f"{root}/m.bin", b"x", mode="append")
 
 
+WRITES_TO = {
+    "pipe_file": lambda fs, path: fs.pipe_file(path, b""),
+    "pipe_file b2://": lambda fs, path: fs.pipe_file(f"b2://{path}", b""),
+    "pipe": lambda fs, path: fs.pipe({path: b""}),
+    "open": lambda fs, path: fs.open(path, "wb").close(),
+    "touch": lambda fs, path: fs.touch(path),
+    "cp_file": lambda fs, path: fs.cp_file(path.removesuffix("dir/") + "a.bin", path),
+}
+
+
+@pytest.mark.parametrize("write", sorted(WRITES_TO))
+def test_a_name_ending_in_a_slash_is_refused_and_nothing_is_written(
+    fs: B2FileSystem, root: str, write: str
+) -> None:
+    """B2's file names cannot end in "/" (S3 and GCS keep such a key, a folder marker): a
+    write to one is a ConfigError naming it, and nothing is written. fsspec took the "/" off
+    first, so ``pipe_file("bkt/dir/", b"")`` made an object ``dir`` that later failed as a
+    sample."""
+    fs.pipe_file(f"{root}/a.bin", b"a")
+    said = rf"b2://{root}/dir/: B2 file names cannot end in '/' .*'{root}/dir/\.bzEmpty'"
+    with pytest.raises(ConfigError, match=said):
+        WRITES_TO[write](fs, f"{root}/dir/")
+    fs.invalidate_cache()
+    assert fs.find(root) == [f"{root}/a.bin"]
+
+
 # -- copy ----------------------------------------------------------------------------------
 
 

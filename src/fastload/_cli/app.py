@@ -38,7 +38,7 @@ from fastload.sources.registry import source_of_options
 from fastload.stores import parse_url
 from fastload.stores._errors import redact, secret_values
 from fastload.transforms import GROUP_DECODERS, decoder
-from fastload.warm import WarmReport, warm_cache, warm_order
+from fastload.warm import WarmReport, cache_holds, warm_cache, warm_order
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
@@ -103,6 +103,21 @@ Columns = Annotated[
     typer.Option(
         help="With --shards parquet: the columns to read, comma-separated (as training "
         "reads them: the cached samples are named by them)."
+    ),
+]
+ZarrArray = Annotated[
+    str | None,
+    typer.Option(
+        "--array",
+        help="With --shards zarr: the array's path in the group SOURCE names (as Zarr's "
+        "array=; the same samples and cache names as the array's own URL).",
+    ),
+]
+Patch = Annotated[
+    str | None,
+    typer.Option(
+        help="With --shards zarr: patch sizes along the array's first axes, comma-separated "
+        "(as Zarr's patch=, e.g. 1,32,32; give them as training does).",
     ),
 ]
 Decode = Annotated[
@@ -180,6 +195,14 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
             options[key] = raw
     _state["secrets"] |= secret_values(options)
     return options
+
+
+def parse_patch(text: str) -> tuple[int, ...]:
+    """``--patch 1,32,32`` as Zarr's ``patch=`` (its sizes checked there)."""
+    sizes = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in sizes):
+        raise ConfigError(f"--patch takes sizes, comma-separated (e.g. 1,32,32), got {text!r}")
+    return tuple(int(item) for item in sizes)
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -287,6 +310,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     shards: Shards = None,
     row_key: RowKey = None,
     columns: Columns = None,
+    array: ZarrArray = None,
+    patch: Patch = None,
     on_error: Annotated[
         str,
         typer.Option(
@@ -354,6 +379,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
             "--shards": shards,
             "--row-key": row_key,
             "--columns": columns,
+            "--array": array,
+            "--patch": patch,
             "--on-error": None if on_error == "raise" else on_error,
             "--labels": labels,
             "--label-key": None if label_key == "key" else label_key,
@@ -379,7 +406,7 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         cache_format = _as_format(format)
         parse_url(source)
         spec, decode_spec = _shape(
-            source, pattern, group_by, incomplete, shards, row_key, columns, decode
+            source, pattern, group_by, incomplete, shards, (row_key, columns, array, patch), decode
         )
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"--on-error must be raise or skip, got {on_error!r}")
@@ -435,6 +462,8 @@ def warm_cache_command(  # noqa: PLR0917 (typer maps each option to a parameter)
         "--transform against what training uses"
     )
     _emit(result, as_json, lambda: _print_warm(result, skipping=skipping, check=check))
+    if as_json and report.evicted:  # stdout is the JSON: the warning goes beside it
+        err.print(f"fastload: warning: {_evicted_warning(report.evicted)}", soft_wrap=True)
     if report.interrupted:
         raise typer.Exit(130)
     if report.stopped or report.unstored or (report.failures and not skipping):
@@ -483,8 +512,19 @@ def _print_warm(result: dict[str, Any], *, skipping: bool, check: str) -> None:
             f"not cached: {result['unstored']:,} samples, the cache's disk is full (free space "
             "or pass --max-bytes, then rerun: cached samples are skipped)"
         )
+    if result["evicted"]:
+        out.print(f"warning: {_evicted_warning(result['evicted'])}", soft_wrap=True)
     if result["interrupted"]:
         out.print("interrupted: rerun the same command to finish (cached samples are skipped)")
+
+
+def _evicted_warning(evicted: int) -> str:
+    return (
+        f"{evicted:,} of the samples warmed are not in the cache: its byte budget (--max-bytes, "
+        "recorded in the cache folder) evicted them for later ones, or they are larger than "
+        "the whole budget. Training will fetch and make them again: raise the budget to keep "
+        "them all"
+    )
 
 
 def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order)
@@ -493,14 +533,16 @@ def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order
     group_by: str | None,
     incomplete: str,
     shards: str | None,
-    row_key: str | None,
-    columns: str | None,
+    own: tuple[str | None, str | None, str | None, str | None],
     decode: str | None,
 ) -> tuple[Source, DecodeSpec]:
     """The source object of ``where`` that the options of those names make (through the
-    registry, as RemoteDataset's), and its ``decode=``: a wrong one fails before any request."""
+    registry, as RemoteDataset's), and its ``decode=``: a wrong one fails before any request.
+    ``own``: the options of one source each, ``--row-key``, ``--columns`` (parquet),
+    ``--array`` and ``--patch`` (zarr)."""
     if incomplete not in ("raise", "skip", "accept"):
         raise ConfigError(f"--incomplete must be raise, skip or accept, got {incomplete!r}")
+    row_key, columns, array, patch = own
     source = source_of_options(
         where,
         shards=shards,
@@ -509,6 +551,8 @@ def _shape(  # noqa: PLR0917 (the options of these names, in the commands' order
         incomplete=None if incomplete == "raise" else incomplete,
         row_key=row_key,
         columns=None if columns is None else columns.split(","),
+        array=array,
+        patch=None if patch is None else parse_patch(patch),
     )
     return source, _decoder(decode, source)
 
@@ -535,14 +579,19 @@ def _warm_all(
 ) -> WarmReport:
     """Warm part ``part`` of each dataset in turn (one, or a tar dataset's groups of shards:
     the next is made, its shards indexed, while this one warms), under one progress bar; one
-    report of all, what making the datasets read (the shards' indexing) and its time included."""
+    report of all, what making the datasets read (the shards' indexing) and its time included.
+    Its ``evicted`` counts, under a byte budget, an earlier group's samples that a later one's
+    evicted too (each group's report counts its own at its end)."""
     total, started = WarmReport(), time.perf_counter()
     dataset: RemoteDataset | CachedDataset | None = next(datasets)  # before the bar: a wrong
     # argument fails before any read
     ahead = ThreadPoolExecutor(1, "fastload-next-group")
+    kept: list[str] = []  # the cache names of the earlier groups' samples held at their end
+    last = dataset
     with _progress(quiet) as progress:
         try:
             while dataset is not None:
+                last = dataset
                 upcoming = ahead.submit(next, datasets, None)
                 blocks = dataset.blocks if isinstance(dataset, RemoteDataset) else None
                 indices = warm_order(len(dataset), shard=part, seed=seed, blocks=blocks)
@@ -563,13 +612,22 @@ def _warm_all(
                 )
                 total = before + report
                 stop = total.interrupted or total.stopped is not None
-                dataset = None if stop else upcoming.result()
+                following = None if stop else upcoming.result()
+                if following is not None and _budgeted(dataset):
+                    kept += cache_holds(dataset, indices)[1]
+                dataset = following
         except KeyboardInterrupt:  # while the next group was indexed: what is cached stays
             total.interrupted = True
         finally:
             ahead.shutdown(wait=False, cancel_futures=True)
+    if kept and last is not None and last.cache is not None:
+        total.evicted += sum(not there for there in last.cache.contains_many(kept))
     total.seconds = time.perf_counter() - started
     return total
+
+
+def _budgeted(dataset: RemoteDataset | CachedDataset) -> bool:
+    return dataset.cache is not None and dataset.cache.max_bytes is not None
 
 
 class _progress:
@@ -771,6 +829,8 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     shards: Shards = None,
     row_key: RowKey = None,
     columns: Columns = None,
+    array: ZarrArray = None,
+    patch: Patch = None,
     decode: Decode = None,
     transform: Annotated[str | None, typer.Option(help="--diagnose: module:attr.")] = None,
     batch_size: Annotated[int, typer.Option(help="--diagnose: samples per batch.")] = 32,
@@ -792,7 +852,8 @@ def bench_command(  # noqa: PLR0917 (typer maps each option to a parameter)
     """--diagnose one data source: is the loader or the step the bottleneck? (The benchmark
     suite against the peers is a tool of the repository: ``make bench``.)"""
     fn = load_object(step, "step") if step else (_sleep(step_ms / 1e3) if step_ms else None)
-    shape = _shape(diagnose, None, group_by, incomplete, shards, row_key, columns, decode)
+    own = (row_key, columns, array, patch)
+    shape = _shape(diagnose, None, group_by, incomplete, shards, own, decode)
     loading = {
         "batch_size": batch_size,
         "num_workers": workers,

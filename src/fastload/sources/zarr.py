@@ -23,7 +23,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 from functools import reduce
 from typing import Any
 
@@ -55,6 +55,7 @@ KEPT_TAG = "zarr-metadata/1"
 READER_VERSION = "zarr/1"
 _METADATA = ("zarr.json", ".zarray")  # an array's metadata object: v3, v2
 _MEMO = 4096  # blocks whose chunks and version are remembered
+_NAME_ONE = "array=, or fastload warm-cache's --array"  # how to name an array of a group
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +65,8 @@ class Zarr(Source):
 
     where: the URL of the store (``s3://bucket/scans.zarr``), an array or a group holding it.
     array: the array's path in that group (``"raw"``, ``"scans/raw"``); None: ``where`` is the
-        array. (The whole store is listed; ``where`` the array's own URL lists only it.)
+        array. (The whole store is listed; ``where`` the array's own URL lists only it.) Both
+        forms name the same samples alike: same URLs, versions and cache names.
     patch: sizes along the array's first axes: a sample is the patch
         ``array[i0:i0+p0, i1:i1+p1, ...]`` (the other axes whole), the patches tiling the
         array from index 0 without overlap. A patch that would cross the array's edge is no
@@ -439,7 +441,9 @@ class ZarrArray:
             if self._prefix + name in keys:
                 return manifest[keys[self._prefix + name]]
         nodes = _nodes(keys, self._prefix)
-        hint = f": its arrays and groups are {nodes[:10]} (name one with array=)" if nodes else ""
+        hint = (
+            f": its arrays and groups are {nodes[:10]} (name one with {_NAME_ONE})" if nodes else ""
+        )
         raise ConfigError(
             f"no Zarr array at {self.url}: neither {' nor '.join(_METADATA)} is listed there" + hint
         )
@@ -556,12 +560,18 @@ class ZarrArray:
             Part(self._entry(c.index).key, c.url, c.size // self._shared(c.index), c.version)
             for c in chunks
         )
-        version = group_version([self._meta_part, *parts])
+        version = group_version([self._in_array(p) for p in (self._meta_part, *parts)])
         found = _Block(chunks, parts, bool(listed.all()), version)
         if len(self._memo) >= _MEMO:
             self._memo.clear()
         self._memo[block] = found
         return found
+
+    def _in_array(self, part: Part) -> Part:
+        """``part`` keyed relative to the array, not to the listing's root: a block's version
+        is then the same whether the array was named by its own URL or by its group's URL and
+        ``array=`` (the same samples, so the same cache names)."""
+        return replace(part, key=part.key[len(self._prefix) :])
 
     def _shared(self, chunk: int) -> int:
         """The samples that read chunk ``chunk`` (each reads its share of the bytes)."""
@@ -669,7 +679,8 @@ def _refuse_group(document: bytes, entry: Entry, manifest: Manifest) -> None:
         keys = {k: 0 for k in manifest.keys() if k.startswith(folder)}  # noqa: SIM118
         nodes = [n for n in _nodes(keys, folder) if n]
         raise ConfigError(
-            f"{entry.url} is a Zarr group: name one of its arrays with array= (found: {nodes[:10]})"
+            f"{entry.url} is a Zarr group: name one of its arrays with {_NAME_ONE} (found: "
+            f"{nodes[:10]})"
         )
 
 

@@ -109,6 +109,20 @@ def _changed(path: str) -> StoreError:
     )
 
 
+def _refuse_folder_name(path: str) -> None:
+    """A write to a name ending in "/" is refused, naming it, before anything is written: B2's
+    file names cannot end in "/" (S3 and GCS keep such a key, as a folder marker). fsspec takes
+    the "/" off a path before a write sees it, which wrote the object under the name without it
+    (``pipe_file("bkt/dir/", b"")`` made an object ``dir``)."""
+    name = path.removeprefix("b2://").lstrip("/")
+    if name.endswith("/") and name.rstrip("/").count("/"):
+        raise ConfigError(
+            f"b2://{name}: B2 file names cannot end in '/' (a B2 folder is only the prefix of "
+            f"the names in it; B2's web UI keeps an empty one as '{name}.bzEmpty'); nothing "
+            "was written"
+        )
+
+
 @dataclass(frozen=True)
 class _Expect:
     """What a conditional write expects its new version to follow: the file id of the
@@ -352,7 +366,9 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         """Upload ``value`` to ``path``. ``mode="create"`` writes only where no object is
-        (else :class:`~fastload.errors.ObjectExistsError`)."""
+        (else :class:`~fastload.errors.ObjectExistsError`). A name ending in "/" is a
+        ConfigError: B2 has no such names."""
+        _refuse_folder_name(path)
         path = self._strip_protocol(path)
         if mode not in ("overwrite", "create"):
             raise ConfigError(
@@ -361,6 +377,16 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         expect = self._expect_absent(path) if mode == "create" else None
         data = bytes(value)
         self._write(path, lambda bucket, key: bucket.upload_bytes(data, key), expect)
+
+    def pipe(self, path: str | dict[str, bytes], value: bytes | None = None, **kwargs: Any) -> None:
+        for name in [path] if isinstance(path, str) else path:
+            _refuse_folder_name(name)  # before fsspec takes the "/" off
+        super().pipe(path, value, **kwargs)
+
+    def open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if "r" not in mode:
+            _refuse_folder_name(path)  # before fsspec takes the "/" off
+        return super().open(path, mode, *args, **kwargs)
 
     def _expect_absent(self, path: str) -> _Expect:
         """An exclusive create's check before it uploads (no object at ``path``), and its
@@ -419,13 +445,14 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         """Copy the object ``path1`` to ``path2`` on the server (``b2_copy_file``; b2sdk copies
         one over 5 GB in parts), content type and file info included. A folder is only a
         name prefix in B2: copying one copies nothing (its objects are copied one by one)."""
-        path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        path1, target = self._strip_protocol(path1), self._strip_protocol(path2)
         source = self._live_version(path1) if self._split(path1)[1] else None
         if source is None:
             if self.isdir(path1):
                 return
             raise ObjectNotFoundError("no such object", url=f"b2://{path1}")
-        bucket_name, key = self._split(path2)
+        _refuse_folder_name(path2)
+        bucket_name, key = self._split(target)
         bucket = self._bucket(bucket_name)
         with _translated(path1):
             bucket.copy(source.id_, key)

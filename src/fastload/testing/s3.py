@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload._extras import import_extra
-from fastload.errors import ServerStartError
+from fastload.errors import ConfigError, ServerStartError
 from fastload.testing._process import (
     ServerProcess,
     free_port,
@@ -62,7 +62,8 @@ class S3Server(ServerProcess):
         )
 
     def create_bucket(self, name: str, timeout: float = 30.0) -> None:
-        """Create ``name`` over S3 (retrying while the server finishes starting)."""
+        """Create ``name`` over S3 (retrying while the server finishes starting). A name the
+        server refuses as a bucket's is a ConfigError naming it, with the server's answer."""
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
@@ -72,11 +73,18 @@ class S3Server(ServerProcess):
                 client.delete_object(Bucket=name, Key=".fastload-probe")
                 return
             except Exception as exc:
-                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+                answer = getattr(exc, "response", {}).get("Error", {})
+                code = answer.get("Code")
                 if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     return
+                if code == "InvalidBucketName":
+                    raise ConfigError(
+                        f"{self.name}: {name!r} is not a valid S3 bucket name ({code}: "
+                        f"{answer.get('Message') or exc}); a bucket's name is 3 to 63 lowercase "
+                        "letters, digits, '-' and '.', starting and ending with a letter or digit"
+                    ) from exc
                 exited = self._proc is not None and self._proc.poll() is not None
-                if code == "InvalidBucketName" or exited or time.monotonic() > deadline:
+                if exited or time.monotonic() > deadline:
                     raise ServerStartError(
                         f"{self.name}: cannot create bucket {name!r}: {exc}\n{self.log_tail()}"
                     ) from exc
