@@ -24,13 +24,12 @@ from fastload.errors import (
     ConfigError,
     FastloadError,
     ObjectNotFoundError,
-    StoreError,
     TransientStoreError,
 )
 from fastload.fetcher import Fetcher, Request
 from fastload.manifest import Manifest
 from fastload.stores import Span, Store, _listing, _obstore, filesystem, open_store, parse_url
-from fastload.stores._base import ByteRange, Patience
+from fastload.stores._base import ByteRange, Patience, Suffix
 from fastload.testing import FaultProxy, Faults
 
 
@@ -147,6 +146,35 @@ class FetchConformance:
         for a, b in [(-3, 5), (3, -1)]:
             with pytest.raises(ConfigError, match="Request"):
                 Request(url, a, b)
+
+    def test_a_range_past_the_end_reads_no_bytes(self, case: Case) -> None:
+        """A range is clipped to the object, as Python's slicing does: one that starts at or
+        past the end reads b"" (S3 and GCS servers answer 416, B2's too: each is no bytes,
+        not an error), with or without a known size (an empty body is then not "truncated",
+        and not retried). A suffix longer than the object reads all of it. A missing object
+        is still not found."""
+        body = b"0123456789" * 2
+        case.write({"twenty.bin": body, "empty.bin": b""})
+        url, empty = case.url("twenty.bin"), case.url("empty.bin")
+        ranges = [(20, None), (20, 30), (25, None), (25, 40), (15, 40), (-30, None), (-5, None)]
+        ranges += [(0, 5)]  # (on the empty object: a range that starts at its end)
+        asked = [
+            (where, data, a, b, size)
+            for where, data in ((url, body), (empty, b""))
+            for a, b in ranges
+            for size in (None, len(data))
+        ]
+        fetcher = self.fetcher(case)
+        got = fetcher.fetch([Request(where, a, b, size=size) for where, _, a, b, size in asked])
+        assert got == [data[a:b] for _, data, a, b, _ in asked]
+        assert fetcher.counters.failures == 0
+        if case.proxy is None:  # (through faults, the faults are retried)
+            assert fetcher.counters.retries == 0
+        missing = case.url("absent.bin")
+        for a, b in [(20, 30), (20, None), (-5, None)]:
+            with pytest.raises(ObjectNotFoundError) as info:
+                self.fetcher(case).fetch([Request(missing, a, b)])
+            assert info.value.url == missing
 
     def test_missing_object_is_named(self, case: Case) -> None:
         case.write({"present.bin": b"here"})
@@ -370,19 +398,15 @@ class StoreErrorConformance:
             assert isinstance(error, ObjectNotFoundError), (name, error)
             assert error.url == missing, (name, error)
 
-    def test_a_range_past_the_end_is_nothing_or_a_store_error(self, case: Case) -> None:
-        """A range that starts past the object's end: the bytes there (none), or, where the
-        server refuses such a range (S3 and GCS answer 416), a StoreError naming the object."""
-        case.write({"short.bin": b"0123456789"})
+    def test_a_range_past_the_end_is_no_bytes_at_the_store(self, case: Case) -> None:
+        """A range that starts at or past the object's end reads the bytes there (none), at
+        the store itself: a server's refusal (a 416) is no bytes, not an error."""
+        case.write({"short.bin": b"0123456789", "empty.bin": b""})
         store = store_of(case)
-        url = case.url("short.bin")
-        for span in (Span(20, 30), Span(20)):
-            try:
-                body = read(store, url, span)
-            except FastloadError as error:
-                assert isinstance(error, StoreError) and error.url == url, (span, error)
-            else:
-                assert body == b"", span
+        url, empty = case.url("short.bin"), case.url("empty.bin")
+        for where, span in [(url, Span(10)), (url, Span(20, 30)), (empty, Span(0, 5))]:
+            assert read(store, where, span) == b"", (where, span)
+        assert read(store, empty, Suffix(5)) == b""
 
 
 class BucketErrorConformance:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import pickle
 import time
@@ -164,6 +165,51 @@ def test_classify_botocore_and_obstore_shapes() -> None:
     assert classify(generic("non-2xx status code: 503 Service Unavailable")) is Kind.TRANSIENT
     assert classify(generic("HTTP error: error sending request")) is Kind.TRANSIENT
     assert classify(generic("something else")) is Kind.OTHER
+
+
+def test_only_a_416_that_decides_is_no_bytes_at_a_read_s_edge() -> None:
+    """A read's edge answers b"" for a range the server refused as past the end (a 416), and
+    for nothing else: not a 416 to a whole-object read (no range was sent), not an error
+    raised after a 416 (a missing object found while handling it), not another status."""
+    from botocore.exceptions import ClientError
+
+    from fastload.stores._base import Body, Patience, Span, Suffix, read_edge
+
+    generic = type("GenericError", (Exception,), {})
+    refused = generic("Server returned non-2xx status code: 416 Range Not Satisfiable: ...")
+    invalid = ClientError(
+        {"Error": {"Code": "InvalidRange"}, "ResponseMetadata": {"HTTPStatusCode": 416}},
+        "GetObject",
+    )
+
+    past = Span(20)
+
+    def edge(error: Exception, span: Span | Suffix = past) -> bytes | StoreError:
+        async def failing() -> Body:
+            raise error
+
+        try:
+            body = asyncio.run(read_edge(parse_url("s3://b/k"), span, Patience(5), failing()))
+        except StoreError as exc:
+            return exc
+        return bytes(body.data)
+
+    assert edge(refused) == b""
+    assert edge(refused, Suffix(5)) == b""  # (a suffix of an empty object)
+    try:
+        raise OSError(22, "The requested range is not satisfiable") from invalid  # s3fs's
+    except OSError as wrapped:
+        assert edge(wrapped) == b""
+    assert type(edge(refused, Span())) is StoreError
+    try:
+        try:
+            raise refused
+        except Exception:
+            raise FileNotFoundError("k") from None  # (its context is the 416)
+    except FileNotFoundError as missing:
+        assert isinstance(edge(missing), ObjectNotFoundError)
+    assert isinstance(edge(generic("non-2xx status code: 503")), TransientStoreError)
+    assert type(edge(generic("non-2xx status code: 400"))) is StoreError
 
 
 def test_translated_errors_are_builtins_and_pickle() -> None:

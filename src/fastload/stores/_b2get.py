@@ -44,9 +44,10 @@ class Downloads:
         self._auth: tuple[int, str, str] | None = None  # (pid, download URL, token)
         self._sessions: dict[tuple[int, int], aiohttp.ClientSession] = {}
 
-    async def get(self, bucket: str, key: str, span: Span, patience: Patience) -> Body | None:
-        """The bytes ``span`` with the file id and SHA-1 B2 names for them; None when the range
-        starts past the end (the caller knows the size to ask for)."""
+    async def get(self, bucket: str, key: str, span: Span, patience: Patience) -> Body:
+        """The bytes ``span`` with the file id and SHA-1 B2 names for them. A range that starts
+        at or past the end is B2's 416, a :class:`StoreError` saying so (the store's read edge
+        answers it as no bytes)."""
         headers = http_range(span)
         url = f"b2://{bucket}/{key}"
         timeout = patience.timeout
@@ -65,8 +66,6 @@ class Downloads:
                 response.release()
             if response.status == 401 and code in _RENEW and not renew:
                 continue
-            if response.status == 416:
-                return None
             raise _failure(response.status, code, message, url)
         raise AccessDeniedError("the renewed authorization was refused", url=url)
 

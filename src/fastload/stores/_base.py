@@ -13,7 +13,8 @@ was indexed (:class:`fastload.errors.ObjectChangedError`); a store that names no
 
 Every method of a store raises fastload's errors only (:mod:`fastload.errors`), naming the
 object: each maps its own client's exceptions at its edge
-(:class:`fastload.stores._errors.boundary`).
+(:class:`fastload.stores._errors.boundary`). A range is clipped to the object: one that starts
+at or past its end reads ``b""`` on every store (:func:`read_edge`).
 A read times out when ``timeout`` seconds pass without a byte (before the first, then between
 chunks), never on its total duration: a large object on a slow link arrives, a stalled one
 fails fast (:class:`Patience`), as a :class:`~fastload.errors.TransientStoreError` raised from
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union
 
 from fastload.errors import ConfigError
-from fastload.stores._errors import boundary
+from fastload.stores._errors import boundary, unsatisfiable
 
 if TYPE_CHECKING:
     from fastload.stores import StoreURL
@@ -53,6 +54,7 @@ __all__ = [
     "http_range",
     "next_chunk",
     "progressing",
+    "read_edge",
     "watch",
 ]
 
@@ -234,6 +236,23 @@ class Store(Protocol):
 
     def stat(self, url: StoreURL) -> Listed:
         """The object's size and version now (one request), its key as ``url`` names it."""
+
+
+async def read_edge(
+    url: StoreURL, span: ByteRange, patience: Patience, read: Awaitable[Body]
+) -> Body:
+    """A store read's edge: ``read``'s body, or fastload's errors only, naming ``url`` (see
+    :class:`boundary`). A range that starts at or past the object's end is no bytes, on every
+    store, as Python's slicing and a local file read it (a range is clipped to the object): the
+    servers that refuse one (a 416, :func:`unsatisfiable`) answer ``b""`` here. A read of a
+    whole object sends no range, so a 416 for one stays an error."""
+    with boundary(url, patience.timeout):
+        try:
+            return await read
+        except Exception as exc:
+            if span != Span() and unsatisfiable(exc):
+                return Body(b"")
+            raise
 
 
 async def progressing(

@@ -5,7 +5,10 @@ and "try again" differently. :func:`translate` looks through the exception (and 
 was raised from) for the first thing it can classify and returns the matching
 :class:`StoreError`, with the URL (never a credential) in the message. Each store wraps the
 work of its methods (read, list a page, find, stat) in :class:`boundary`, so that nothing
-above the store (fetch, Manifest) ever sees a client's exception.
+above the store (fetch, Manifest) ever sees a client's exception. One answer is not an error:
+a range that starts at or past an object's end, which servers refuse with a 416 and Python's
+slicing and local files read as no bytes; :func:`unsatisfiable` recognises it, for a read's
+edge (:func:`fastload.stores._base.read_edge`) to answer ``b""``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from fastload.errors import (
     TransientStoreError,
 )
 
-__all__ = ["Kind", "boundary", "classify", "redact", "secret_values", "throttling", "translate"]
+__all__ = [
+    "Kind",
+    "boundary",
+    "classify",
+    "redact",
+    "secret_values",
+    "throttling",
+    "translate",
+    "unsatisfiable",
+]
 
 
 class Kind(enum.Enum):
@@ -172,6 +184,15 @@ def _codes(exc: BaseException) -> tuple[object, ...]:
     return (code,) if isinstance(code, (int, str)) else ()
 
 
+def _answer_codes(exc: BaseException, names: set[str]) -> tuple[object, ...]:
+    """The codes ``exc`` carries (:func:`_codes`), or for obstore's errors and fastload's own
+    (B2's GET), whose HTTP status is only in the message, that status."""
+    if "GenericError" in names or isinstance(exc, StoreError):
+        status = _STATUS.search(str(exc))
+        return (status.group(1),) if status else ()
+    return _codes(exc)
+
+
 def throttling(exc: BaseException) -> bool:
     """Whether ``exc`` is the store asking for fewer requests: a 503 (S3's SlowDown, GCS's
     and B2's service_unavailable) or a 429, from any client, anywhere in its chain."""
@@ -179,17 +200,33 @@ def throttling(exc: BaseException) -> bool:
         names = {cls.__name__ for cls in type(link).__mro__}
         if "TooManyRequests" in names:  # b2sdk
             return True
-        codes = _codes(link)
-        if "GenericError" in names or isinstance(link, StoreError):  # obstore; B2's GET (below)
-            status = _STATUS.search(str(link))
-            codes = (status.group(1),) if status else ()
-        if any(str(code) in _THROTTLING_CODES for code in codes):
+        if any(str(code) in _THROTTLING_CODES for code in _answer_codes(link, names)):
             return True
     return False
 
 
 # an HTTP status in a message: obstore's, and fastload's B2 GET's own (stores/_b2get.py)
 _STATUS = re.compile(r"(?:non-2xx status code:|B2 said) (\d{3})")
+# "416 Range Not Satisfiable": botocore's code for it, and the status (obstore, gcsfs, B2's GET)
+_UNSATISFIABLE_CODES = {"InvalidRange", "416"}
+
+
+def unsatisfiable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store refusing a byte range because none of it lies in the
+    object, i.e. the range starts at or past the object's end (HTTP 416: botocore's
+    ``InvalidRange``, obstore's and gcsfs's 416, b2sdk's ``UnsatisfiableRange``, B2's GET's
+    416). The first link of its chain that is such an answer, or names another kind of
+    failure (not found, denied, transient), decides: a 416 that an error then followed
+    is that error."""
+    for link in _chain(exc):
+        names = {cls.__name__ for cls in type(link).__mro__}
+        if "UnsatisfiableRange" in names or any(  # b2sdk
+            str(code) in _UNSATISFIABLE_CODES for code in _answer_codes(link, names)
+        ):
+            return True
+        if _classify_one(link) not in (None, Kind.OTHER):
+            return False
+    return False
 
 
 def _obstore_kind(message: str) -> Kind | None:

@@ -6,7 +6,8 @@ Fetcher of the process (so their clients' per-thread connections live as long as
 not as short-lived threads), into a buffer whose growth is watched. Local files are read
 directly, with their mtime as the version served. Listing is the filesystem's own ``find``,
 a stat its ``info``, each naming the version as a listing does. What the filesystem raises
-leaves as fastload's errors (:class:`~fastload.stores._errors.boundary`); the stores built on
+leaves as fastload's errors (:class:`~fastload.stores._errors.boundary`), and a range past
+the object's end as no bytes (:func:`~fastload.stores._base.read_edge`); the stores built on
 this one (S3, GCS, B2) keep that edge for their own reads and pages.
 """
 
@@ -31,6 +32,7 @@ from fastload.stores._base import (
     Patience,
     Span,
     fsspec_offsets,
+    read_edge,
     watch,
 )
 from fastload.stores._errors import boundary
@@ -79,8 +81,7 @@ class FsspecStore:
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
-        with boundary(url, patience.timeout):
-            return await self._read(url, span, version, patience)
+        return await read_edge(url, span, patience, self._read(url, span, version, patience))
 
     async def _read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience

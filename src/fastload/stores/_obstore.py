@@ -38,6 +38,7 @@ from fastload.stores._base import (
     Span,
     Stream,
     progressing,
+    read_edge,
 )
 from fastload.stores._errors import Kind, boundary, classify
 from fastload.stores._listing import guards
@@ -175,11 +176,15 @@ class ObstoreStore:
     async def read(
         self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
     ) -> Body:
-        with boundary(url, patience.timeout):
-            store = self._store(url.bucket)
-            if store is None or not isinstance(span, Span) or not readable(url.key):
-                return await self.general.read(url, span, version, patience)
-            return await self._get(store, url, span, patience)
+        return await read_edge(url, span, patience, self._read(url, span, version, patience))
+
+    async def _read(
+        self, url: StoreURL, span: ByteRange, version: str | None, patience: Patience
+    ) -> Body:
+        store = self._store(url.bucket)
+        if store is None or not isinstance(span, Span) or not readable(url.key):
+            return await self.general.read(url, span, version, patience)
+        return await self._get(store, url, span, patience)
 
     async def _get(self, store: Any, url: StoreURL, span: Span, patience: Patience) -> Body:
         """One GET through obstore, in its own terms (:meth:`read` is its edge)."""

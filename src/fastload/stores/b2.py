@@ -323,10 +323,8 @@ class B2FileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is untyp
         path = self._strip_protocol(path)
         if isinstance(span, Span):
             bucket, key = self._split(path)
-            body = await self._downloads.get(bucket, key, span, patience)
-            if body is not None:
-                return body
-        # a suffix or a range past the end: read_body asks for the size first
+            return await self._downloads.get(bucket, key, span, patience)
+        # a suffix: read_body asks for the size first
         return await asyncio.to_thread(self.read_body, path, *fsspec_offsets(span))
 
     def read_body(self, path: str, start: int | None = None, end: int | None = None) -> Body:
