@@ -430,6 +430,88 @@ def test_the_slow_tail_is_hedged_by_observed_latency_within_its_budget(
     assert off.counters.hedges == 0
 
 
+def test_the_hedge_delay_follows_latencies_that_rose_after_the_first_answers(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    """16 reads at +20 ms set the delay (about 40 ms); then every read takes 250 ms. The 16
+    read at 250 ms are hedged, and their answers put the delay above 250 ms at once, so the
+    next 16 are not. Before, the delay was worked out again only every 64 reads: the first
+    answers' (the fastest, at 16 in flight) hedged every read of the next 64 that a hedge was
+    saved for, each one wasted (8 of the next 16 here)."""
+    requests = [Request(url, size=len(body)) for url, body in objects.items()]
+    config = FetchConfig(hedge_budget=1.0, timeout=30)  # a hedge earned by every read
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), config)
+    proxy.set_faults(Faults(latency=0.02))
+    assert fetcher.fetch(requests) == list(objects.values())
+    proxy.set_faults(Faults(latency=0.25))
+    assert fetcher.fetch(requests) == list(objects.values())
+    hedged = fetcher.counters.hedges
+    assert hedged >= 1  # (latencies that rise are hedged until they are seen)
+    assert fetcher.fetch(requests) == list(objects.values())
+    assert fetcher.counters.hedges == hedged, (hedged, fetcher.counters.hedges)
+
+
+def test_the_last_hedges_saved_are_kept_for_a_held_read_when_nothing_else_is_read(
+    seaweed: S3Server, proxy: FaultProxy, objects: dict[str, bytes]
+) -> None:
+    """Hedges are earned by reads sent (5% of one each), and a loop waiting for a held read
+    sends none. 16 reads at +200 ms set the delay (about 0.3 s); 8 reads at +400 ms, each past
+    its delay, spend the hedges saved but the last 2; then one read is held 3 s and nothing
+    else is read: at twice its delay it takes one of those 2, and that hedge answers. Before,
+    the 8 slow reads spent all 8 saved, and the held read, finding none, waited its 3 s (at
+    the end of a cold epoch of 0.8 s, one such read doubled it)."""
+    requests = [Request(url, size=len(body)) for url, body in objects.items()]
+    fetcher = Fetcher(seaweed.storage_options(proxy.endpoint), FetchConfig(timeout=30))
+    proxy.set_faults(Faults(latency=0.2))
+    assert fetcher.fetch(requests) == list(objects.values())
+    proxy.set_faults(Faults(latency=0.4))
+    assert fetcher.fetch(requests[:8]) == list(objects.values())[:8]
+    wins, sent = fetcher.counters.hedge_wins, proxy.counters()["requests"]
+    proxy.set_faults(Faults(latency=0.2, stall=1.0, stall_seconds=3.0))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(fetcher.fetch(requests[8:9])))
+    reader.start()
+    for _ in range(2000):  # the read has reached the proxy, held
+        if proxy.counters()["requests"] > sent:
+            break
+        time.sleep(0.005)
+    proxy.set_faults(Faults(latency=0.2))
+    reader.join(60)
+    assert got == [list(objects.values())[8]]
+    assert fetcher.counters.hedge_wins == wins + 1, fetcher.counters
+
+
+def test_a_hedge_timer_that_ran_late_because_this_process_was_held_does_not_hedge() -> None:
+    """A read's answer comes in at 0.15 s and its hedge is due at 0.1 s, but this process is
+    held from 0.05 s to 0.35 s (as a garbage collection of a large heap holds the GIL, 0.16 s
+    in the tails benchmark): when it runs again the hedge's timer comes first, before the
+    answer is read. It looks again 20 ms later instead, by when the answer is read: one
+    request. Before, it hedged, and in a cold epoch so did every read in flight through the
+    collection, 6-8 at once, all wasted. (The race alone, on a loop of its own: the store's
+    answer is a timer here, since a real one would be read by another thread.)"""
+    fetcher = Fetcher(config=FetchConfig(hedge_after=0.1))
+    loop = asyncio.new_event_loop()
+    calls = 0
+
+    async def call() -> tuple[bytes, float]:
+        nonlocal calls
+        calls += 1
+        answered = loop.create_future()
+        loop.call_later(0.15, answered.set_result, None)
+        await answered
+        return b"body", 0.15
+
+    async def read() -> Any:
+        loop.call_later(0.05, time.sleep, 0.3)  # the process held
+        return await fetcher_module._Race(call, fetcher, Request("memory://held/x")).run()
+
+    try:
+        assert loop.run_until_complete(read()) == (b"body", 0.15)
+    finally:
+        loop.close()
+    assert (calls, fetcher.counters.hedges) == (1, 0)
+
+
 def test_an_endpoint_given_by_the_environment_is_the_fast_path_s_too(
     seaweed: S3Server, objects: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:

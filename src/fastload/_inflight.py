@@ -5,22 +5,26 @@ limit lives there (one loop thread: no lock) and is shared by every call, thread
 With ``FetchConfig.adaptive`` (the default) :class:`_Climb` moves it between 4 and
 ``FetchConfig.concurrency``:
 
-- it starts at 16 and doubles while throughput (bytes/s over a round of answers) rises;
-- then it tries a step of a quarter up or down now and then, and keeps it where throughput
-  follows: a step up where throughput rose by a tenth of the step's share or more (+10% for
-  a doubling, +2.5% for a quarter up), a step down where it fell by less than that (a
-  bandwidth cap: more in flight only queues). Too many in flight costs memory, too few costs
-  throughput, so the bar is low for steps up and high for steps down. A step undone waits
-  twice as long as the last before the next;
+- it starts at 16 and doubles while throughput (bytes/s over a round of answers) rises by a
+  tenth or more;
+- then it tries a step of a quarter up or down now and then, and keeps it only where
+  throughput rose with it: by a tenth of the step's share for a step up (+2.5% for a quarter),
+  by a tenth for a step down. Fewer in flight saves only memory, and a round on a loaded
+  2-core machine varies by a tenth or so: a step down kept unless throughput fell by 2.5% (the
+  rule until 2026-11-28) was kept on ties, and on a single slow round, and left the limit
+  below where it read best. A step undone waits twice as long as the last before the next;
 - a throttling answer (503 SlowDown, 429) cuts it to 0.7 of itself at once, at most once per
   round (the answers of requests sent before the cut do not cut again). A store that answers
   503 at random, whatever the load, keeps it near its floor: 5% of answers did so in a test
   (half the rate); a throttling store is told apart from a failing one by nothing else.
 
-A round is at least 16 answers, twice the limit and 50 ms, timed while requests are in flight
-(idle time between batches is not counted), and judged only if requests waited for the limit in
-it: where the caller asks for fewer than the limit, throughput says nothing about it.
-Per request this costs a few counters; a decision, a clock read per round.
+A round is at least 16 answers, twice the limit and 50 ms, all while requests waited for the
+limit: an answer that frees a slot nobody waits for (the caller asks for fewer, or waits for a
+slow read of its own before it asks for more) ends the round unjudged, and the next begins
+when a request waits again. So a round measures what the limit lets through, not the caller's
+pace: a cold epoch's loop held behind one slow read timed rounds a third slower through that
+pause, and such rounds walked the limit down from 32 to 18. Per request this costs a few
+counters; a decision, a clock read per round.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ _START = 16  # requests in flight at first (the ceiling, if lower)
 _FLOOR = 4  # throttling and steps down stop here (the ceiling, if lower)
 _CUT = 0.7  # a throttling answer leaves this share of the limit
 _ROUND = 16  # answers in a round, at least (and twice the limit)...
-_ROUND_S = 0.05  # ...and seconds with requests in flight
-_GAIN = 0.1  # a step is kept if throughput followed it by this share of the step's (or more)
+_ROUND_S = 0.05  # ...and seconds, all while requests wait for the limit
+_GAIN = 0.1  # a step up is kept if throughput rose by this share of the step's, a step down
+# if it rose by this share
 _QUIET = 4  # rounds at a limit before a step, after a cut or a step kept...
 _QUIET_MOST = 64  # ...doubling with each step undone, up to this
 
@@ -63,11 +68,9 @@ class InFlight:
     async def acquire(self) -> None:
         if self.busy < self.limit:  # after _wake, a live waiter means busy >= limit
             self.busy += 1
-            if self.busy == 1 and self.tuner is not None:
-                self.tuner.resumed()
             return
         if self.tuner is not None:
-            self.tuner.waits += 1
+            self.tuner.waited()
         waiter = asyncio.get_running_loop().create_future()
         self.waiting.append(waiter)
         try:
@@ -97,8 +100,6 @@ class InFlight:
     def _free(self) -> None:
         self.busy -= 1
         self._wake()
-        if not self.busy and self.tuner is not None:
-            self.tuner.paused()
 
     def _wake(self) -> None:
         while self.waiting and self.busy < self.limit:
@@ -121,37 +122,30 @@ class _Climb:
         self.patience = _QUIET  # ...after the next step undone
         self.base_limit = gate.limit
         self.base_rate = 0.0  # bytes/s at base_limit (0: not measured)
-        self.walk_rate = 0.0  # a walk down's rate before its first step
-        self.idle_since: float | None = time.perf_counter()
+        self.bound = False  # a request waited for the limit since the last answer none did
+        self.cut = False  # a throttling answer cut the limit in this round
         self._new_round(time.perf_counter())
 
     def _new_round(self, now: float) -> None:
         self.started = now
-        self.idle_s = 0.0
-        if self.idle_since is not None:
-            self.idle_since = now
         self.answers = self.bytes = 0
-        self.waits = len(self.gate.waiting)  # requests waiting for the limit in this round
-        self.cut = False
         self.size = max(_ROUND, 2 * self.gate.limit)
 
-    def paused(self) -> None:
-        self.idle_since = time.perf_counter()
-
-    def resumed(self) -> None:
-        if self.idle_since is not None:
-            self.idle_s += time.perf_counter() - self.idle_since
-            self.idle_since = None
+    def waited(self) -> None:
+        """A request waits for the limit: the first since the limit stopped binding begins a
+        round."""
+        if not self.bound:
+            self.bound = True
+            self._new_round(time.perf_counter())
 
     def answered(self, size: int) -> None:
+        if not self.gate.waiting:  # the slot it frees is nobody's: the round ends unjudged
+            self.bound = False
+            return
         self.answers += 1
         self.bytes += size
         if self.answers >= self.size:
             self._end_round()
-
-    def _busy_s(self, now: float) -> float:
-        idle = self.idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
-        return now - self.started - idle
 
     def throttled(self) -> None:
         self.answers += 1
@@ -173,12 +167,12 @@ class _Climb:
 
     def _end_round(self) -> None:
         now = time.perf_counter()
-        busy = self._busy_s(now)
-        if busy < _ROUND_S:
+        seconds = now - self.started
+        if seconds < _ROUND_S:
             return
-        judged = not self.cut and self.waits > 0 and self.bytes > 0
-        if judged:
-            self._judge(self.bytes / busy)
+        if not self.cut and self.bytes:
+            self._judge(self.bytes / seconds)
+        self.cut = False
         self._new_round(now)
 
     def _judge(self, rate: float) -> None:
@@ -187,8 +181,8 @@ class _Climb:
         if self.stepped:
             self.stepped = False
             up = gate.limit > self.base_limit
-            change = _GAIN * (gate.limit / self.base_limit - 1)  # (negative for a step down)
-            if rate >= (self.base_rate if up else self.walk_rate) * (1 + change):
+            gain = _GAIN * (gate.limit / self.base_limit - 1) if up else _GAIN
+            if rate >= self.base_rate * (1 + gain):
                 self.base_limit, self.base_rate = gate.limit, rate
                 self.patience = _QUIET
                 self._step(up)  # on the same way while it pays
@@ -205,7 +199,6 @@ class _Climb:
         if self.quiet:
             self.quiet -= 1
             return
-        self.walk_rate = self.base_rate
         self._step(self.up)
 
     def _step(self, up: bool) -> None:

@@ -27,8 +27,8 @@ class FetchConfig:
         Fetcher in a process (threads included); the ceiling of the adaptive limit.
     adaptive: tune the requests in flight by what the store answers (the default): start at
         16 (or ``concurrency`` if lower), double while throughput (bytes/s) rises, then probe
-        a quarter up and down, keeping a step only where throughput follows (more in flight
-        where it rises, fewer where it does not: a bandwidth cap); a throttling answer (503
+        a quarter up and down, keeping a step only where throughput rose with it (a step
+        that reads no faster is undone, down as well as up); a throttling answer (503
         SlowDown, 429) cuts the limit to 0.7 of itself, at most once per round of answers,
         never below 4. False: always ``concurrency`` in flight (a fixed setting). The limit
         is counted in FetchStats (``limit``, ``limit_peak``, ``limit_cuts``, ``throttled``).
