@@ -352,14 +352,27 @@ PEER_IMPORTS: dict[str, tuple[str, ...]] = {
     "litdata-arrays": ("litdata", "litdata.streaming.downloader"),
     "webdataset": ("webdataset",),
 }
+# The clients of a store, imported before every reader's clock as its library is: fastload's
+# listing imports s3fs (and with it aiobotocore and aiohttp, 0.16 s of CPU here), which was
+# timed in its cold epoch over tar while the peers' own clients (LitData's downloader's) were
+# imported before theirs, until 2026-11-28 (evening).
+STORE_CLIENTS: dict[str, tuple[str, ...]] = {
+    "s3": ("s3fs", "obstore"),
+    "gcs": ("gcsfs",),
+    "b2": ("b2sdk.v2",),
+}
 
 
-def import_reader(reader: str) -> None:
-    """Import ``reader``'s library (see ``PEER_IMPORTS``)."""
+def import_reader(reader: str, store: str) -> None:
+    """Import ``reader``'s library (see ``PEER_IMPORTS``) and ``store``'s clients (see
+    ``STORE_CLIENTS``; one not installed is one no reader uses)."""
     if reader == "mosaic":
         _mosaic_modules()
     for module in PEER_IMPORTS.get(reader, ()):
         importlib.import_module(module)
+    for module in STORE_CLIENTS[store]:
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(module)
 
 
 def _descendants(pid: int) -> Iterator[int]:
@@ -394,7 +407,7 @@ def _epochs(spec: Spec) -> dict[str, Any]:
     the cold epoch after its first batch (what is left once workers, listing and indexing are
     done); the process tree's CPU microseconds per sample of each epoch, construction in the
     first."""
-    import_reader(spec.reader)
+    import_reader(spec.reader, spec.store)
     cpu = tree_cpu_seconds(os.getpid())
     started = time.perf_counter()
     loader = READERS[spec.reader][1](spec)
