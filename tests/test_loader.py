@@ -779,7 +779,10 @@ def test_each_workers_start_is_counted_and_named_for_a_slow_first_batch(tmp_path
     assert counters is not None and counters.dataset.worker_start.count == 2
     assert loader.stats()["dataset"]["worker_start_mean_s"] > 0
     assert "2 workers took" in _first_batch_why(counters)
-    assert _first_batch_why(None) == "worker start-up and the first fetches"
+    assert _first_batch_why(None) == "worker start-up, if any, and the first fetches"
+    inline = fastload.DataLoader(dataset, batch_size=4, num_workers=0)
+    list(inline)
+    assert _first_batch_why(inline.counters) == "the first fetches"  # no worker started
 
 
 class SlowToStart:

@@ -93,6 +93,39 @@ def tar_dataset(root: str, options: dict[str, Any]) -> dict[str, bytes]:
 DECODE = {"npy": fastload.transforms.decode_npy, "cls": int, "meta.json": json.loads}
 
 
+FORMAT_KEYS = {  # sample keys each tar format can hold, between short plain ones
+    tarfile.USTAR_FORMAT: ["a/short", "b/" + "p" * 120 + "/x", "c/" + "\u00e9" * 30],
+    tarfile.GNU_FORMAT: ["a/short", "d/" + "q" * 200, "c/" + "\u00e9" * 30],
+    tarfile.PAX_FORMAT: ["a/short", "d/" + "q" * 200, "c/" + "\u00e9" * 30],
+}
+
+
+@pytest.mark.parametrize("form", list(FORMAT_KEYS))
+def test_headers_of_every_tar_format_index_as_tarfile_lists_them(tmp_path: Path, form: int) -> None:
+    """fastload parses plain headers itself and lets tarfile read from the first other one on
+    (a GNU long-name record, a pax record): the index is what tarfile lists, in each format,
+    with a name split into ustar's prefix, names too long for a header, names not ASCII and
+    plain members after those, each sample's bytes read back from its place."""
+    keys = [*FORMAT_KEYS[form], "e/after", "f/last"]
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w", format=form) as tar:
+        for n, name in enumerate(keys):
+            for ext, body in (("npy", npy(image(n))), ("cls", str(n).encode())):
+                info = tarfile.TarInfo(f"{name}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "s.tar").write_bytes(packed.getvalue())
+    packed.seek(0)
+    with tarfile.open(fileobj=packed) as tar:
+        assert tar.getnames() == [f"{name}.{ext}" for name in keys for ext in ("npy", "cls")]
+    shards = f"file://{tmp_path / 'shards'}"
+    dataset = RemoteDataset(Tar(shards), decode={"npy": "npy", "cls": int})
+    assert [sample.url.split("#", 1)[1] for sample in dataset.source] == keys
+    for n in range(len(keys)):
+        assert np.array_equal(dataset[n]["npy"], image(n)) and dataset[n]["cls"] == n
+
+
 def test_tar_shards_read_in_place_one_read_per_chunk(
     store: tuple[str, dict[str, Any]], tmp_path: Any
 ) -> None:

@@ -384,10 +384,14 @@ def window_report(
 
 
 def _first_batch_why(counters: StageCounters | None) -> str:
-    """What a first batch waited for: the workers' start when it was counted, then fetches."""
-    started = counters.dataset.worker_start if counters is not None else None
-    if started is None or not started.count:
-        return "worker start-up and the first fetches"
+    """What a first batch waited for: the workers' start when it was counted, then fetches.
+    Without counters (a plain torch loader's) fastload cannot tell whether workers started;
+    with them and no start counted, there were none (0 workers)."""
+    if counters is None:
+        return "worker start-up, if any, and the first fetches"
+    started = counters.dataset.worker_start
+    if not started.count:
+        return "the first fetches"
     return (
         f"{started.count} workers took {started.total / started.count:.2f} s on average to "
         "start, then the first fetches"
