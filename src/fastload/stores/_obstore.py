@@ -16,16 +16,20 @@ takes the s3fs path instead; children started by spawn or forkserver keep the fa
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import importlib
 import logging
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from fastload.errors import StoreError
 from fastload.resources import PerProcess
 from fastload.stores._base import (
     PAGE,
@@ -57,14 +61,58 @@ _CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 _stores: PerProcess[tuple[str, str], Any] = PerProcess("obstore clients")
-_runtime = {"started": False, "inherited": False}
+_runtime = {"started": False, "inherited": False, "exiting": False}
 
 
 def _after_fork_in_child() -> None:
     _runtime["inherited"] = _runtime["inherited"] or _runtime["started"]
+    _unanswered.clear()  # the parent's, on its loop
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_unanswered: set[asyncio.Future[Any]] = set()
+"""obstore's futures its runtime has not answered yet, in this process."""
+_DRAIN_SECONDS = 10.0
+_SETTLE_SECONDS = 0.05
+
+
+def _answered(awaitable: Awaitable[Any]) -> Awaitable[Any]:
+    """``awaitable`` (a future obstore's runtime answers from one of its threads) kept until
+    answered, and shielded: a read given up (a hedge that lost, a timeout) cancels its wait,
+    not the future, so the future stays known until the runtime's thread has answered it.
+
+    That answer takes the interpreter's lock; a thread that takes it while the interpreter
+    finalizes is ended by it, and a runtime thread so ended aborts the process (a training
+    script's exit status 134, about one exit in four after hedged reads here). So at exit
+    (:func:`_drain`) the process waits for every read it started to be answered."""
+    future = asyncio.ensure_future(awaitable)
+    if not future.done():
+        _unanswered.add(future)
+        future.add_done_callback(_unanswered.discard)
+    return asyncio.shield(future)
+
+
+@atexit.register
+def _drain() -> None:
+    """At exit, where obstore read anything: start no more reads (one started from now on
+    fails), wait up to ``_DRAIN_SECONDS`` for its runtime to answer those started (see
+    :func:`_answered`), and let its threads that are answering finish with the interpreter's
+    lock (``_SETTLE_SECONDS``): a thread answers by waking the event loop's thread, which may
+    take the answer and let the program end before that thread has the lock back from its
+    socket write."""
+    if not _runtime["started"] or threading.current_thread() is not threading.main_thread():
+        return
+    _runtime["exiting"] = True
+    if _unanswered:
+        log.info("waiting for %d unanswered obstore reads before exit", len(_unanswered))
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    while True:  # again after settling: a read may have started just before "exiting" was set
+        while _unanswered and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(_SETTLE_SECONDS)
+        if not _unanswered or time.monotonic() >= deadline:
+            return
 
 
 @functools.cache
@@ -196,14 +244,17 @@ class ObstoreStore:
         elif span.start:
             options["range"] = {"offset": span.start}
         timeout = patience.timeout
-        get = _obstore().get_async(store, url.key, options=options)
+        if _runtime["exiting"]:
+            raise StoreError("not read: the process is exiting", url=str(url))
+        get = _answered(_obstore().get_async(store, url.key, options=options))
         data: bytes | memoryview
         if patience.whole:  # obstore's own buffer, not copied (Fetcher.fetch copies if asked)
             result, data = await _whole(get, timeout)
         else:
             result = await asyncio.wait_for(get, timeout)
             stream = result.stream(min_chunk_size=patience.chunk)
-            data = b"".join(await progressing(stream.__anext__, timeout, StopAsyncIteration))
+            chunk = lambda: _answered(stream.__anext__())  # noqa: E731
+            data = b"".join(await progressing(chunk, timeout, StopAsyncIteration))
         etag = result.meta.get("e_tag")
         return Body(data, (str(etag).strip('"'),) if etag else ())
 
@@ -290,7 +341,7 @@ class _ObstorePages(EdgedPages):
 async def _next_page(stream: Any) -> list[Listed] | None:
     """The stream's next chunk, or None at its end."""
     try:
-        chunk = await stream.__anext__()
+        chunk = await _answered(stream.__anext__())
     except StopAsyncIteration:
         return None
     return [Listed(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
@@ -302,8 +353,9 @@ async def _whole(get: Awaitable[Any], timeout: float) -> tuple[Any, memoryview]:
     task and a timer for each wait, a tenth of the CPU fastload spends on a small GET."""
     if sys.version_info < (3, 11):
         result = await asyncio.wait_for(get, timeout)
-        return result, memoryview(await asyncio.wait_for(result.bytes_async(), timeout))
+        body = await asyncio.wait_for(_answered(result.bytes_async()), timeout)
+        return result, memoryview(body)
     async with asyncio.timeout(timeout) as deadline:
         result = await get
         deadline.reschedule(asyncio.get_running_loop().time() + timeout)
-        return result, memoryview(await result.bytes_async())
+        return result, memoryview(await _answered(result.bytes_async()))
