@@ -160,7 +160,9 @@ class _Pass:
             self.newest = batch
             return
         self.started.append(self.prefetch(batch))  # as it enters the window
-        if len(self.started) > self.depth + 1:
+        # each kept until done, not only the last few: a prefetch goes on storing the batch
+        # its read took, and close() waits for it
+        while self.started and self.started[0].done():
             self.started.popleft()
 
     def run(self, items: Iterator[Any], group: int) -> Iterator[Any]:

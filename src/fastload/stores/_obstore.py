@@ -84,8 +84,8 @@ def _answered(awaitable: Awaitable[Any]) -> Awaitable[Any]:
 
     That answer takes the interpreter's lock; a thread that takes it while the interpreter
     finalizes is ended by it, and a runtime thread so ended aborts the process (a training
-    script's exit status 134, about one exit in four after hedged reads here). So at exit
-    (:func:`_drain`) the process waits for every read it started to be answered."""
+    script's exit status 134: about one exit in four after 20 concurrent reads here). So at
+    exit (:func:`_drain`) the process waits for every read it started to be answered."""
     future = asyncio.ensure_future(awaitable)
     if not future.done():
         _unanswered.add(future)
