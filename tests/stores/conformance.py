@@ -7,6 +7,7 @@ the mixins that apply to their store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import uuid
@@ -373,6 +374,16 @@ def page(store: Store, case: Case, bucket: str | None = None) -> Any:
     return fsspec.asyn.sync(fsspec.asyn.get_loop(), lister.page, prefix, None, None, 100)
 
 
+def _read_again(store: Store, url: str, span: ByteRange, tries: int = 3) -> bytes:
+    """``read``, asked again after a transient failure as fetch would (a pooled connection
+    the server had closed: fake-gcs-server's reset one in a CI run), which is not what a
+    test of an answer is about."""
+    for _ in range(tries - 1):
+        with contextlib.suppress(TransientStoreError):
+            return read(store, url, span)
+    return read(store, url, span)
+
+
 def raised(call: Callable[[], object]) -> FastloadError:
     """What ``call()`` raises; anything but a fastload error fails the test as it is."""
     with pytest.raises(FastloadError) as info:
@@ -405,8 +416,8 @@ class StoreErrorConformance:
         store = store_of(case)
         url, empty = case.url("short.bin"), case.url("empty.bin")
         for where, span in [(url, Span(10)), (url, Span(20, 30)), (empty, Span(0, 5))]:
-            assert read(store, where, span) == b"", (where, span)
-        assert read(store, empty, Suffix(5)) == b""
+            assert _read_again(store, where, span) == b"", (where, span)
+        assert _read_again(store, empty, Suffix(5)) == b""
 
 
 class BucketErrorConformance:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import importlib
 import logging
@@ -61,57 +62,58 @@ _CONFIG_KWARGS = {"max_pool_connections", "s3", "connect_timeout", "read_timeout
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 _stores: PerProcess[tuple[str, str], Any] = PerProcess("obstore clients")
-_runtime = {"started": False, "inherited": False, "exiting": False}
+_runtime = {"started": False, "inherited": False, "read": False, "exiting": False}
 
 
 def _after_fork_in_child() -> None:
     _runtime["inherited"] = _runtime["inherited"] or _runtime["started"]
-    _unanswered.clear()  # the parent's, on its loop
+    _runtime["read"] = False  # the parent's reads, on its runtime's threads
+    _unanswered.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _unanswered: set[asyncio.Future[Any]] = set()
 """obstore's futures its runtime has not answered yet, in this process."""
-_DRAIN_SECONDS = 10.0
 _SETTLE_SECONDS = 0.05
+_SETTLE_ROUNDS = 4
 
 
-def _answered(awaitable: Awaitable[Any]) -> Awaitable[Any]:
-    """``awaitable`` (a future obstore's runtime answers from one of its threads) kept until
-    answered, and shielded: a read given up (a hedge that lost, a timeout) cancels its wait,
-    not the future, so the future stays known until the runtime's thread has answered it.
-
-    That answer takes the interpreter's lock; a thread that takes it while the interpreter
-    finalizes is ended by it, and a runtime thread so ended aborts the process (a training
-    script's exit status 134: about one exit in four after 20 concurrent reads here). So at
-    exit (:func:`_drain`) the process waits for every read it started to be answered."""
-    future = asyncio.ensure_future(awaitable)
+def _started(call: Callable[[], Awaitable[Any]], url: str) -> asyncio.Future[Any]:
+    """``call()``, an obstore call whose runtime answers it from a thread of its own, its
+    future known until done (:func:`_drain`); none is started once the process exits (a
+    :class:`StoreError` naming ``url``). Cancelling the future (a read given up, a hedge
+    that lost) aborts the request."""
+    if _runtime["exiting"]:
+        raise StoreError("not read: the process is exiting", url=url)
+    _runtime["read"] = True
+    future = asyncio.ensure_future(call())
     if not future.done():
         _unanswered.add(future)
         future.add_done_callback(_unanswered.discard)
-    return asyncio.shield(future)
+    return future
 
 
 @atexit.register
 def _drain() -> None:
-    """At exit, where obstore read anything: start no more reads (one started from now on
-    fails), wait up to ``_DRAIN_SECONDS`` for its runtime to answer those started (see
-    :func:`_answered`), and let its threads that are answering finish with the interpreter's
-    lock (``_SETTLE_SECONDS``): a thread answers by waking the event loop's thread, which may
-    take the answer and let the program end before that thread has the lock back from its
-    socket write."""
-    if not _runtime["started"] or threading.current_thread() is not threading.main_thread():
+    """At exit, where obstore read anything: start no more calls, cancel those unanswered (on
+    their loop's thread, which runs on during exit), and let the runtime's threads finish with
+    the interpreter's lock, ``_SETTLE_SECONDS`` at a time, until none is unanswered.
+
+    A runtime thread answers a call by taking that lock and waking the loop's thread; one
+    that takes it while the interpreter finalizes is ended by it, which aborts the process
+    (a training script's exit status 134: about one exit in four after 20 concurrent reads
+    here, with every read answered: the loop's thread took the answer and the program ended
+    before the answering thread had the lock back from its socket write)."""
+    if not _runtime["read"] or threading.current_thread() is not threading.main_thread():
         return
     _runtime["exiting"] = True
-    if _unanswered:
-        log.info("waiting for %d unanswered obstore reads before exit", len(_unanswered))
-    deadline = time.monotonic() + _DRAIN_SECONDS
-    while True:  # again after settling: a read may have started just before "exiting" was set
-        while _unanswered and time.monotonic() < deadline:
-            time.sleep(0.005)
+    for _ in range(_SETTLE_ROUNDS):
+        for future in list(_unanswered):
+            with contextlib.suppress(RuntimeError):  # its loop is closed
+                future.get_loop().call_soon_threadsafe(future.cancel)
         time.sleep(_SETTLE_SECONDS)
-        if not _unanswered or time.monotonic() >= deadline:
+        if not _unanswered:
             return
 
 
@@ -244,16 +246,15 @@ class ObstoreStore:
         elif span.start:
             options["range"] = {"offset": span.start}
         timeout = patience.timeout
-        if _runtime["exiting"]:
-            raise StoreError("not read: the process is exiting", url=str(url))
-        get = _answered(_obstore().get_async(store, url.key, options=options))
+        named = str(url)
+        get = _started(lambda: _obstore().get_async(store, url.key, options=options), named)
         data: bytes | memoryview
         if patience.whole:  # obstore's own buffer, not copied (Fetcher.fetch copies if asked)
-            result, data = await _whole(get, timeout)
+            result, data = await _whole(get, timeout, named)
         else:
             result = await asyncio.wait_for(get, timeout)
             stream = result.stream(min_chunk_size=patience.chunk)
-            chunk = lambda: _answered(stream.__anext__())  # noqa: E731
+            chunk = lambda: _started(stream.__anext__, named)  # noqa: E731
             data = b"".join(await progressing(chunk, timeout, StopAsyncIteration))
         etag = result.meta.get("e_tag")
         return Body(data, (str(etag).strip('"'),) if etag else ())
@@ -311,7 +312,7 @@ class _ObstorePages(EdgedPages):
             _obstore().list(self.store, directory, offset=start_after, chunk_size=PAGE)
         )
         try:
-            rows = await _next_page(cursor.stream)
+            rows = await _next_page(cursor.stream, self.url(prefix))
         except Exception as exc:
             if token is None and classify(exc) is Kind.TRANSIENT:
                 raise  # a first page is simply asked for again
@@ -338,24 +339,24 @@ class _ObstorePages(EdgedPages):
         return await self.general.page(prefix, start_after, None, limit)
 
 
-async def _next_page(stream: Any) -> list[Listed] | None:
-    """The stream's next chunk, or None at its end."""
+async def _next_page(stream: Any, url: str) -> list[Listed] | None:
+    """The stream's next chunk (of the listing of ``url``), or None at its end."""
     try:
-        chunk = await _answered(stream.__anext__())
+        chunk = await _started(stream.__anext__, url)
     except StopAsyncIteration:
         return None
     return [Listed(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
 
 
-async def _whole(get: Awaitable[Any], timeout: float) -> tuple[Any, memoryview]:
+async def _whole(get: Awaitable[Any], timeout: float, url: str) -> tuple[Any, memoryview]:
     """A GET's result and its whole body, each of the two waits within ``timeout`` seconds
     (``TimeoutError``), under one timer renewed between them: ``asyncio.wait_for`` makes a
     task and a timer for each wait, a tenth of the CPU fastload spends on a small GET."""
     if sys.version_info < (3, 11):
         result = await asyncio.wait_for(get, timeout)
-        body = await asyncio.wait_for(_answered(result.bytes_async()), timeout)
+        body = await asyncio.wait_for(_started(result.bytes_async, url), timeout)
         return result, memoryview(body)
     async with asyncio.timeout(timeout) as deadline:
         result = await get
         deadline.reschedule(asyncio.get_running_loop().time() + timeout)
-        return result, memoryview(await _answered(result.bytes_async()))
+        return result, memoryview(await _started(result.bytes_async, url))
