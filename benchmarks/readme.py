@@ -88,8 +88,9 @@ def render(record: dict[str, Any]) -> str:
         f"`make bench`'s peers scenario, {record['date'][:10]} "
         f"(commit {record.get('commit', '?')}, a shared 2-vCPU VM, loopback SeaweedFS behind "
         "a proxy adding 20 ms per request, "
-        "2,000 x 150 KB samples, batch 32; every peer at 0, 2 and 4 workers, shown at its "
-        f"best; fastload at its defaults; medians of the repeats{_pinning(record['rows'])}). "
+        "2,000 x 150 KB samples, batch 32; every peer at 0, 2 and 4 workers (those that make "
+        "one request per sample at 2 and 4), shown at its best; fastload at its defaults; "
+        f"medians of the repeats{_pinning(record['rows'])}). "
         "Method and every row: [docs/benchmarks.md](docs/benchmarks.md).",
         "",
         "| reader | workers | " + " | ".join(title for _, title, _ in columns) + " |",
