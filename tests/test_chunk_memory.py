@@ -181,8 +181,9 @@ def test_parquet_workers_map_one_decoded_copy_of_each_row_group(
     dataset = RemoteDataset(Parquet(root), decode=crc_of_row, storage_options=options)
     grown, mapped, folder = two_workers_epoch(dataset, tmp_path)
     for pid in grown:  # a copy of each would be 3 row groups more: 48 MiB (the decoding
-        # worker's allocators keep some of what decoding freed: less than a row group)
-        assert grown[pid] < CHUNK, (
+        # worker's allocators keep some of what decoding freed: about a row group, 16.25 MiB
+        # in one CI run of a loaded VM; at most one and a half here)
+        assert grown[pid] < CHUNK * 3 // 2, (
             f"worker {pid} holds {grown[pid] >> 20} MiB more private memory after reading the "
             f"other row groups ({CHUNK >> 20} MiB each decoded): a private copy"
         )
