@@ -79,13 +79,13 @@ _SETTLE_SECONDS = 0.05
 _SETTLE_ROUNDS = 4
 
 
-def _started(call: Callable[[], Awaitable[Any]], url: str) -> asyncio.Future[Any]:
+def _started(call: Callable[[], Awaitable[Any]], url: object) -> asyncio.Future[Any]:
     """``call()``, an obstore call whose runtime answers it from a thread of its own, its
     future known until done (:func:`_drain`); none is started once the process exits (a
     :class:`StoreError` naming ``url``). Cancelling the future (a read given up, a hedge
     that lost) aborts the request."""
     if _runtime["exiting"]:
-        raise StoreError("not read: the process is exiting", url=url)
+        raise StoreError("not read: the process is exiting", url=str(url))
     _runtime["read"] = True
     future = asyncio.ensure_future(call())
     if not future.done():
@@ -246,15 +246,14 @@ class ObstoreStore:
         elif span.start:
             options["range"] = {"offset": span.start}
         timeout = patience.timeout
-        named = str(url)
-        get = _started(lambda: _obstore().get_async(store, url.key, options=options), named)
+        get = _started(lambda: _obstore().get_async(store, url.key, options=options), url)
         data: bytes | memoryview
         if patience.whole:  # obstore's own buffer, not copied (Fetcher.fetch copies if asked)
-            result, data = await _whole(get, timeout, named)
+            result, data = await _whole(get, timeout, url)
         else:
             result = await asyncio.wait_for(get, timeout)
             stream = result.stream(min_chunk_size=patience.chunk)
-            chunk = lambda: _started(stream.__anext__, named)  # noqa: E731
+            chunk = lambda: _started(stream.__anext__, url)  # noqa: E731
             data = b"".join(await progressing(chunk, timeout, StopAsyncIteration))
         etag = result.meta.get("e_tag")
         return Body(data, (str(etag).strip('"'),) if etag else ())
@@ -348,7 +347,7 @@ async def _next_page(stream: Any, url: str) -> list[Listed] | None:
     return [Listed(m["path"], int(m["size"]), str(m.get("e_tag") or "").strip('"')) for m in chunk]
 
 
-async def _whole(get: Awaitable[Any], timeout: float, url: str) -> tuple[Any, memoryview]:
+async def _whole(get: Awaitable[Any], timeout: float, url: object) -> tuple[Any, memoryview]:
     """A GET's result and its whole body, each of the two waits within ``timeout`` seconds
     (``TimeoutError``), under one timer renewed between them: ``asyncio.wait_for`` makes a
     task and a timer for each wait, a tenth of the CPU fastload spends on a small GET."""
